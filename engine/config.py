@@ -1,0 +1,18 @@
+"""Engine configuration: one dataclass shared by the offline LLM, the server and the benchmarks."""
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_kv_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default per device
+    enable_prefix_caching: bool = True
+    seed: int = 0

@@ -1,0 +1,90 @@
+"""Sampling parameters: the same names and meanings as vLLM's SamplingParams."""
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled token's)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError naming the parameter and its allowed range."""
+        _check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be greater than 0, got {self.repetition_penalty}",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
+        _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
+        _check(all(s for s in self.stop), "stop strings must not be empty")
+        for tok, bias in self.logit_bias.items():
+            _check(-100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        return cls(**d)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
