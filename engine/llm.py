@@ -1,0 +1,132 @@
+"""The offline API, shaped like vLLM's: LLM(...).generate(prompts, sampling_params)."""
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        device: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+            )
+        )
+
+    @property
+    def capacity(self):  # noqa: ANN201 - EngineCapacity
+        return self.engine.core.capacity
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the order given."""
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("give prompts or prompt_token_ids, not both")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is not None:
+            texts: list[str | None] = list(prompts)
+            ids = [self.engine.tokenize(p) for p in prompts]
+        else:
+            ids = [list(p) for p in prompt_token_ids]
+            texts = [None] * len(ids)
+        return self._run(texts, ids, sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [self.engine.apply_chat_template(c) for c in conversations]
+        return self._run([None] * len(ids), ids, sampling_params, use_tqdm, None)
+
+    def stats(self) -> dict[str, float | int]:
+        return self.engine.core.stats()
+
+    def reset_stats(self) -> None:
+        self.engine.core.reset_stats()
+
+    def _run(
+        self,
+        texts: list[str | None],
+        ids: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(ids)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(ids):
+            raise ValueError(f"got {len(params)} sampling params for {len(ids)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(ids)
+        if len(prios) != len(ids):
+            raise ValueError(f"got {len(prios)} priorities for {len(ids)} prompts")
+        engine = self.engine
+        order: dict[str, int] = {}
+        try:
+            for i, (text, tok, p, prio) in enumerate(zip(texts, ids, params, prios, strict=True)):
+                order[engine.add_request(text, tok, p, priority=prio)] = i
+            results: list[RequestOutput | None] = [None] * len(ids)
+            bar = tqdm(
+                total=len(ids), desc="generate", unit="req", disable=not use_tqdm or not sys.stderr.isatty()
+            )
+            with bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step(emit_unfinished=False):
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            # Nothing leaks: every request this call added is aborted and its blocks freed.
+            for rid in order:
+                engine.abort_request(rid)
+            raise
+        return results  # type: ignore[return-value]
