@@ -3,7 +3,6 @@
 from dataclasses import dataclass
 
 import torch
-
 from tokenmill.kernels import paged_attention_decode, paged_attention_prefill, store_kv
 
 

@@ -6,7 +6,6 @@ holds back the last max(len(stop)) - 1 characters so a stop string that spans to
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
-
 from tokenmill.engine.sampling_params import SamplingParams
 
 

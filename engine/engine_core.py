@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from tokenmill.engine import kv_memory
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
@@ -17,7 +16,7 @@ from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.model_loader import load_model, resolve_dtype, resolve_model
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

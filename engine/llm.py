@@ -4,12 +4,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm import tqdm
-
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
+from tqdm import tqdm
 
 
 class LLM:
@@ -44,7 +43,7 @@ class LLM:
         )
 
     @property
-    def capacity(self):  # noqa: ANN201 - EngineCapacity
+    def capacity(self):
         return self.engine.core.capacity
 
     def get_tokenizer(self) -> Any:

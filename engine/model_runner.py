@@ -2,7 +2,6 @@
 
 import numpy as np
 import torch
-
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request

@@ -5,7 +5,6 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
-
 from tokenmill.engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()

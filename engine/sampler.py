@@ -1,7 +1,6 @@
 """Vectorized sampling over the step's batch, with vLLM's SamplingParams semantics."""
 
 import torch
-
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 
@@ -13,7 +12,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: float32 [len(reqs), vocab]. Returns one token per row and its logprobs where asked."""
-        n, vocab = logits.shape
+        n, _vocab = logits.shape
         params = [r.params for r in reqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = None

@@ -6,7 +6,6 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
@@ -133,7 +132,7 @@ def test_hash_collision_never_returns_wrong_tokens() -> None:
 
 def test_tail_blocks_are_evicted_first() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS)
-    a = make_req("a", list(range(12)) + [50])
+    a = make_req("a", [*list(range(12)), 50])
     assert kv.allocate_slots(a, 13)
     a.num_computed_tokens = 13
     kv.cache_full_blocks(a)
