@@ -16,3 +16,4 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default per device
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # CUDA only: skip CUDA graph capture of decode steps

@@ -125,6 +125,7 @@ class EngineCore:
             max_model_len=max_model_len,
             dtype=self.dtype,
             device=self.device,
+            enforce_eager=config.enforce_eager,
         )
         self.counters = EngineCounters()
         self.capacity = EngineCapacity(

@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 from tokenmill.engine.attention import AttentionMetadata
+from tokenmill.engine.cuda_graphs import CUDAGraphRunner
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler
@@ -23,6 +24,7 @@ class ModelRunner:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -36,6 +38,12 @@ class ModelRunner:
         # Reused every step instead of reallocated.
         self.block_table_buf = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self.sampler = Sampler(vocab_size, device)
+        self.graphs: CUDAGraphRunner | None = None
+        if device.type == "cuda" and not enforce_eager:
+            self.graphs = CUDAGraphRunner(
+                model, self.kv_caches, max_num_seqs, self.max_blocks_per_seq, max_model_len, device
+            )
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(
@@ -81,12 +89,12 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev),
-            self.kv_caches,
-            md,
-        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
+        if decode_only and self.graphs is not None and self.graphs.can_run(num_seqs):
+            hidden = self.graphs.run(ids_t, pos_t, md.slot_mapping, md.seq_lens, md.block_tables)
+        else:
+            hidden = self.model(ids_t, pos_t, self.kv_caches, md)
 
         sampling = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_tokens]
         if not sampling:
