@@ -53,3 +53,68 @@ def max_concurrency(kv_blocks: int, block_size: int, max_model_len: int) -> floa
     if max_model_len <= 0:
         return 0.0
     return kv_blocks / blocks_for_tokens(max_model_len, block_size)
+
+
+# --- Non-KV GPU memory: the overhead model the operator's sizing uses (and the engine may reuse) ---
+# Published measurements this model is fitted to (docs/operator.md, "The overhead model"):
+# llm-d measured 4.8 GiB (Llama-3.1-8B) to 7.4 GiB (70B) of activations on H100 with vLLM at an
+# 8192-token batch, plus 0.15-0.6 GiB outside torch; KAITO's 2.3 GiB + 5% of weights crash-looped.
+# A constant alone cannot cover both, so the model has a constant part and a part that grows with the
+# step's token budget, the model's width and the vocabulary.
+
+GIB = 1 << 30
+# CUDA context and allocations outside torch (up to 0.6 GiB measured), cuBLAS/cuBLASLt workspaces
+# and the memory pool of the captured decode CUDA graphs.
+RUNTIME_OVERHEAD_BYTES = 2 * GIB
+# NCCL communicators and their buffers, per GPU, when a replica spans several GPUs.
+TENSOR_PARALLEL_OVERHEAD_BYTES = GIB // 2
+# Peak live activations over the minimum tensors of one forward: transient copies (fp32 upcasts in
+# norms and softmax, attention workspaces) and allocator fragmentation. Fitted to the llm-d points.
+ACTIVATION_FACTOR = 3.5
+# fp32 logits, fp32 probabilities and the top-p/top-k sort (fp32 values + int64 indices).
+SAMPLER_BYTES_PER_LOGIT = 20
+
+
+def weights_bytes(num_parameters: int, dtype: str, tensor_parallel: int = 1) -> int:
+    """Weight bytes on one GPU: every linear layer and the vocabulary are split across the TP ranks."""
+    return -(-num_parameters * dtype_bytes(dtype) // tensor_parallel)
+
+
+def activation_peak_bytes(
+    max_num_batched_tokens: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_attention_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    tensor_parallel: int = 1,
+) -> int:
+    """Peak activation bytes of one forward over a full token budget, on one GPU.
+
+    Per token the step holds the residual stream and its normed copy (2 x hidden, on every rank), the
+    fused QKV output (this rank's heads) and the MLP's fused gate/up output plus the activated product
+    (3 x intermediate / TP), times ACTIVATION_FACTOR for transients.
+    """
+    tp = tensor_parallel
+    heads_per_rank = math.ceil(num_attention_heads / tp) + 2 * max(1, math.ceil(num_kv_heads / tp))
+    elements_per_token = 2 * hidden_size + heads_per_rank * head_dim + 3 * math.ceil(intermediate_size / tp)
+    return math.ceil(ACTIVATION_FACTOR * max_num_batched_tokens * dtype_bytes(dtype) * elements_per_token)
+
+
+def sampler_peak_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """The sampler's buffers for one step: a full-vocabulary row per running sequence."""
+    return max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+def non_kv_overhead_bytes(activation_bytes: int, sampler_bytes: int, tensor_parallel: int = 1) -> int:
+    """Everything on one GPU besides weights and the KV cache."""
+    tp_bytes = TENSOR_PARALLEL_OVERHEAD_BYTES if tensor_parallel > 1 else 0
+    return RUNTIME_OVERHEAD_BYTES + tp_bytes + activation_bytes + sampler_bytes
+
+
+def kv_cache_budget_bytes(
+    gpu_memory_bytes: int, gpu_memory_utilization: float, weights_per_gpu: int, overhead_bytes: int
+) -> int:
+    """Bytes left for the KV cache on one GPU (negative when weights and overhead do not fit)."""
+    return math.floor(gpu_memory_bytes * gpu_memory_utilization) - weights_per_gpu - overhead_bytes

@@ -1,0 +1,220 @@
+"""Status conditions in kstatus conventions (Ready, Reconciling, Stalled) plus Sized, QuotaLimited and
+ScalingActive, and the events that their transitions produce.
+
+kstatus reads a resource as Current when observedGeneration equals metadata.generation, Reconciling
+and Stalled are not True, and Ready is True; Argo CD's and Flux's health checks follow the same rule.
+"""
+
+from dataclasses import dataclass
+
+CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Sized", "QuotaLimited", "ScalingActive")
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    type: str
+    status: str  # "True" | "False" | "Unknown"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """What the Deployment and its pods say."""
+
+    exists: bool
+    desired: int  # what we asked for
+    replicas: int = 0  # pods that exist
+    ready: int = 0
+    updated: int = 0
+    observed_current: bool = True  # the Deployment controller has seen its latest spec
+    deadline_exceeded: str | None = None  # ProgressDeadlineExceeded message
+    pod_problem: str | None = None  # e.g. "pod x: CrashLoopBackOff: ..."
+    pod_blocked: bool = False  # the pod problem needs a human (bad config, missing secret)
+    # Ready replicas that count as done: all of them for a fixed size; for an autoscaled service the
+    # spec's minReplicas, since replicas the autoscaler adds or removes are operation, not a spec change.
+    floor: int | None = None
+
+    @property
+    def needed(self) -> int:
+        return self.desired if self.floor is None else min(self.floor, self.desired)
+
+
+def rollout_from(
+    deployment: dict | None, desired: int, pods: list[dict], floor: int | None = None, spec_changed: bool = True
+) -> Rollout:
+    """spec_changed False: this pass only scaled (or changed nothing), so a Deployment generation the
+    controller has not observed yet is not a rollout."""
+    if deployment is None:
+        return Rollout(False, desired, floor=floor)
+    meta, status = deployment.get("metadata") or {}, deployment.get("status") or {}
+    deadline = None
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            deadline = c.get("message") or "ProgressDeadlineExceeded"
+    problem, blocked = pod_problem(pods)
+    return Rollout(
+        exists=True,
+        desired=desired,
+        replicas=int(status.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+        observed_current=not spec_changed
+        or int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 0),
+        deadline_exceeded=deadline,
+        pod_problem=problem,
+        pod_blocked=blocked,
+        floor=floor,
+    )
+
+
+# Waiting reasons that will not fix themselves without a change by a human.
+BLOCKING_WAIT_REASONS = {"CreateContainerConfigError", "InvalidImageName", "ErrImagePull", "ImagePullBackOff"}
+
+
+def pod_problem(pods: list[dict]) -> tuple[str | None, bool]:
+    """The first reason a pod is not running well, as `pod NAME: REASON: message`."""
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        for c in status.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                return f"pod {name}: {c.get('reason', 'Unschedulable')}: {c.get('message', '')}".rstrip(": "), False
+        for cs in status.get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason and reason not in ("ContainerCreating", "PodInitializing"):
+                text = f"pod {name}: {reason}: {waiting.get('message', '')}".rstrip(": ")
+                return text, reason in BLOCKING_WAIT_REASONS
+    return None, False
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """Everything the conditions are computed from, gathered by one reconcile."""
+
+    spec_error: str | None = None
+    sized: Condition | None = None  # Sized as computed from the plan
+    blocker: tuple[str, str] | None = None  # (reason, message): secret missing, name conflict, ...
+    rollout: Rollout | None = None
+    quota: Condition | None = None
+    scaling: Condition | None = None
+    endpoint: str = ""
+
+
+def compute_conditions(f: Facts) -> list[Condition]:
+    c = {}
+    if f.spec_error is not None:
+        c["Sized"] = Condition("Sized", "Unknown", "InvalidSpec", f.spec_error)
+        stalled = ("InvalidSpec", f.spec_error)
+    else:
+        c["Sized"] = f.sized
+        stalled = None
+        if f.sized is not None and f.sized.status != "True":
+            stalled = (f.sized.reason, f.sized.message)
+        elif f.blocker is not None:
+            stalled = f.blocker
+    r = f.rollout
+    if stalled is None and r is not None and r.desired == 0 and f.quota is not None and f.quota.status == "True":
+        stalled = ("QuotaExhausted", f.quota.message)
+    if stalled is None and r is not None and r.pod_blocked:
+        stalled = ("PodsBlocked", r.pod_problem)
+    if stalled is None and r is not None and r.deadline_exceeded:
+        stalled = ("ProgressDeadlineExceeded", r.deadline_exceeded + (f"; {r.pod_problem}" if r.pod_problem else ""))
+
+    c["QuotaLimited"] = f.quota or Condition("QuotaLimited", "False", "NotChecked", "no replicas to check against the GPU quota")
+    c["ScalingActive"] = f.scaling or Condition("ScalingActive", "False", "NotSized", "nothing to scale yet")
+
+    if stalled is not None:
+        c["Stalled"] = Condition("Stalled", "True", *stalled)
+        c["Reconciling"] = Condition("Reconciling", "False", "Stalled", "waiting for a change that unblocks it")
+        c["Ready"] = Condition("Ready", "False", stalled[0], stalled[1])
+        return [c[t] for t in CONDITION_TYPES]
+
+    c["Stalled"] = Condition("Stalled", "False", "NotStalled", "nothing blocks progress")
+    progress = _progress(r)
+    if progress is not None:
+        c["Reconciling"] = Condition("Reconciling", "True", *progress)
+        c["Ready"] = Condition("Ready", "False", progress[0], progress[1])
+    else:
+        c["Reconciling"] = Condition("Reconciling", "False", "Reconciled", "children match the spec")
+        if r.desired == 0:
+            c["Ready"] = Condition("Ready", "True", "ScaledToZero", "0 replicas requested")
+        else:
+            scaling = " (scaling up)" if r.ready < r.desired else ""
+            c["Ready"] = Condition("Ready", "True", "Available",
+                                   f"{r.ready}/{r.desired} replicas ready{scaling} at {f.endpoint}")
+    return [c[t] for t in CONDITION_TYPES]
+
+
+def _progress(r: Rollout | None) -> tuple[str, str] | None:
+    """(reason, message) while the Deployment is still moving toward the spec; None when done."""
+    if r is None or not r.exists:
+        return "Creating", "creating the engine Deployment"
+    problem = f"; {r.pod_problem}" if r.pod_problem else ""
+    if not r.observed_current or r.replicas > r.updated:
+        return "RollingOut", f"{r.updated}/{r.desired} replicas updated, {r.ready} ready{problem}"
+    if r.ready < r.needed:
+        return "WaitingForReplicas", f"{r.ready}/{r.desired} replicas ready{problem}"
+    if r.replicas > r.desired and r.needed == r.desired:
+        return "ScalingDown", f"{r.replicas} pods, {r.desired} desired"
+    return None
+
+
+def merge_conditions(previous: list[dict] | None, new: list[Condition], generation: int, now: str) -> list[dict]:
+    """metav1.Condition dicts; lastTransitionTime moves only when the status flips."""
+    old = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
+    out = []
+    for cond in new:
+        prev = old.get(cond.type)
+        changed = prev is None or prev.get("status") != cond.status
+        out.append({
+            "type": cond.type,
+            "status": cond.status,
+            "reason": cond.reason,
+            "message": cond.message,
+            "lastTransitionTime": now if changed else prev.get("lastTransitionTime", now),
+            "observedGeneration": generation,
+        })
+    return out
+
+
+PROGRESS_REASONS = {"Creating", "RollingOut", "WaitingForReplicas", "ScalingDown"}
+
+
+def is_bad(cond: Condition) -> bool:
+    """Whether a condition asks for attention (a Warning event)."""
+    if cond.status == "Unknown":
+        return True
+    if cond.type in ("Stalled", "QuotaLimited"):
+        return cond.status == "True"
+    if cond.type == "Reconciling":
+        return False
+    if cond.type == "ScalingActive":
+        return cond.status == "False" and cond.reason not in ("FixedReplicas", "NotSized", "WaitingForMetrics",
+                                                              "NoReadyPods")
+    if cond.type == "Ready" and cond.reason in PROGRESS_REASONS:
+        return False  # on its way, not in trouble
+    return cond.status == "False"  # Ready, Sized
+
+
+def transition_events(previous: list[dict] | None, new: list[Condition]) -> list[tuple[str, str, str]]:
+    """(type, reason, message) for each condition whose status or reason changed. Reconciling is left
+    out (Ready carries the same news); a first status is news for Sized, and for others when bad."""
+    old = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
+    events = []
+    for cond in new:
+        if cond.type == "Reconciling":
+            continue
+        prev = old.get(cond.type)
+        if prev is not None and prev.get("status") == cond.status:
+            before = Condition(cond.type, prev.get("status", ""), prev.get("reason", ""), "")
+            if prev.get("reason") == cond.reason or (not is_bad(before) and not is_bad(cond)):
+                continue  # same news, or progress on the way (RollingOut -> WaitingForReplicas)
+        if prev is None and cond.type != "Sized" and not is_bad(cond) and cond.type != "Ready":
+            continue
+        if prev is None and cond.type == "Ready" and cond.status != "True":
+            continue  # "Creating" on a new object is not news
+        kind = "Warning" if is_bad(cond) else "Normal"
+        events.append((kind, cond.reason, f"{cond.type}={cond.status}: {cond.message}"))
+    return events

@@ -1,0 +1,220 @@
+"""The sizing plan: does a model fit a GPU type, on how many GPUs, with how much KV cache.
+
+One function, `plan`, decides everything; the operator (pod spec, quota check, status) and
+`tokenmill size` all read its result. The memory math itself lives in tokenmill.engine.kv_memory.
+"""
+
+from dataclasses import asdict, dataclass, replace
+
+from tokenmill.engine import kv_memory as kvm
+from tokenmill.engine.config import EngineConfig
+from tokenmill.operator.catalog import GPU_TYPES, GPUType, ModelProfile
+
+# One replica runs on one node: eight GPUs is the largest node shape in the catalog's clouds.
+MAX_GPUS_PER_REPLICA = 8
+# vLLM's default on GPUs: beyond this a decode step is compute-bound and every sequence slows down.
+MAX_NUM_SEQS_CAP = 256
+# A typical chat turn (prompt + answer) for `maxNumSeqs: auto`: how many of these fit in the KV cache.
+REFERENCE_SEQUENCE_TOKENS = 2048
+# `maxModelLen: auto` must leave room for at least this much context (or the model's limit if smaller),
+# otherwise a bigger GPU or more GPUs is the better answer than a model that cannot hold a prompt.
+MIN_AUTO_MAX_MODEL_LEN = 4096
+# The engine's per-step token budget is its default (the server has no flag for it).
+MAX_NUM_BATCHED_TOKENS = EngineConfig().max_num_batched_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    dtype: str = "auto"  # auto = bfloat16 on GPUs
+    block_size: int = 16
+    max_model_len: int | None = None  # None = auto
+    max_num_seqs: int | None = None  # None = auto
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class SizingPlan:
+    model: str
+    gpu_type: str
+    feasible: bool
+    reason: str  # Fits | WeightsDoNotFit | KVCacheTooSmall | MaxModelLenTooLarge | InvalidGPUCount
+    message: str
+    dtype: str
+    gpus_per_replica: int
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    weights_bytes: int  # the whole model
+    weights_bytes_per_gpu: int
+    overhead_bytes: int  # per GPU: runtime + activations + sampler
+    kv_cache_bytes: int  # per GPU, what the engine is told to allocate (whole blocks)
+    kv_bytes_per_token: int  # per GPU
+    block_size: int
+    kv_blocks: int
+    kv_tokens: int  # per replica
+    max_model_len: int
+    max_num_seqs: int
+    max_position_embeddings: int
+    target_queue_depth: int  # waiting + running requests one replica serves without queueing
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_reason(self, reason: str, message: str) -> "SizingPlan":
+        return replace(self, feasible=False, reason=reason, message=message)
+
+
+def resolve_dtype(dtype: str) -> str:
+    resolved = "bfloat16" if dtype == "auto" else dtype
+    kvm.dtype_bytes(resolved)  # raises ValueError naming the supported dtypes
+    return resolved
+
+
+def valid_tensor_parallel_sizes(profile: ModelProfile) -> list[int]:
+    """Powers of two up to one node that split the attention heads evenly; KV heads are either split
+    evenly or replicated (TP a multiple of the KV heads), as in vLLM."""
+    sizes = []
+    tp = 1
+    while tp <= MAX_GPUS_PER_REPLICA:
+        kv = profile.num_key_value_heads
+        if profile.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0):
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def gpus_per_replica(plan: SizingPlan) -> int:
+    """The GPUs one replica requests: read by the pod spec, the quota check and the status alike."""
+    return plan.gpus_per_replica
+
+
+def plan(
+    profile: ModelProfile, gpu: GPUType, settings: EngineSettings = EngineSettings(), gpu_count: int | None = None
+) -> SizingPlan:
+    """Size `profile` on `gpu`; gpu_count None picks the fewest GPUs that fit."""
+    dtype = resolve_dtype(settings.dtype)
+    valid = valid_tensor_parallel_sizes(profile)
+    if settings.max_model_len is not None and settings.max_model_len > profile.max_position_embeddings:
+        return _plan_at(profile, gpu, settings, dtype, gpu_count or valid[0]).with_reason(
+            "MaxModelLenTooLarge",
+            f"maxModelLen {settings.max_model_len} exceeds what {profile.name} supports "
+            f"({profile.max_position_embeddings} positions): set maxModelLen to at most "
+            f"{profile.max_position_embeddings} or auto",
+        )
+    if gpu_count is not None and gpu_count not in valid:
+        return _plan_at(profile, gpu, settings, dtype, gpu_count).with_reason(
+            "InvalidGPUCount",
+            f"gpu.count {gpu_count} cannot split {profile.name} ({profile.num_attention_heads} attention "
+            f"heads, {profile.num_key_value_heads} KV heads) evenly: use {_or_list(valid)}",
+        )
+    last = None
+    for tp in [gpu_count] if gpu_count is not None else valid:
+        candidate = _plan_at(profile, gpu, settings, dtype, tp)
+        if candidate.feasible:
+            return candidate
+        last = candidate
+    hint = suggest(profile, gpu, settings, exclude=(gpu.name, last.gpus_per_replica))
+    return replace(last, message=f"{last.message}: {hint}")
+
+
+def suggest(profile: ModelProfile, gpu: GPUType, settings: EngineSettings, exclude: tuple[str, int]) -> str:
+    """What would fit instead: more GPUs of this type, or the smallest other type that fits."""
+    options = []
+    for other in sorted(GPU_TYPES.values(), key=lambda g: g.memory_mib):
+        for tp in valid_tensor_parallel_sizes(profile):
+            if (other.name, tp) == exclude:
+                continue
+            p = _plan_at(profile, other, settings, resolve_dtype(settings.dtype), tp)
+            if p.feasible:
+                options.append((tp * other.memory_mib, other.name, tp))
+                break
+    same = [o for o in options if o[1] == gpu.name and o[2] > exclude[1]]
+    others = sorted(o for o in options if o[1] != gpu.name)[:1]
+    words = [f"gpu.count {o[2]}" for o in same] + [f"gpu.type {o[1]} with count {o[2]}" for o in others]
+    if not words:
+        return (
+            f"no catalog GPU type fits it in {MAX_GPUS_PER_REPLICA} GPUs per replica; lower maxModelLen or "
+            "use a smaller model or dtype"
+        )
+    return "use " + " or ".join(words)
+
+
+def _plan_at(profile: ModelProfile, gpu: GPUType, settings: EngineSettings, dtype: str, tp: int) -> SizingPlan:
+    bs = settings.block_size
+    weights = kvm.weights_bytes(profile.num_parameters, dtype)
+    weights_gpu = kvm.weights_bytes(profile.num_parameters, dtype, tp)
+    seqs_for_overhead = settings.max_num_seqs or MAX_NUM_SEQS_CAP
+    activations = kvm.activation_peak_bytes(
+        MAX_NUM_BATCHED_TOKENS, profile.hidden_size, profile.intermediate_size, profile.num_attention_heads,
+        profile.num_key_value_heads, profile.head_dim, dtype, tp,
+    )
+    overhead = kvm.non_kv_overhead_bytes(activations, kvm.sampler_peak_bytes(seqs_for_overhead, profile.vocab_size), tp)
+    budget = kvm.kv_cache_budget_bytes(gpu.memory_bytes, settings.gpu_memory_utilization, weights_gpu, overhead)
+    per_token = kvm.kv_bytes_per_token(profile.num_hidden_layers, profile.num_key_value_heads, profile.head_dim, dtype, tp)
+    blocks = kvm.num_kv_blocks(budget, bs, per_token)
+    tokens = blocks * bs
+    limit = kvm.align_down(profile.max_position_embeddings, bs)
+    if settings.max_model_len is not None:
+        max_model_len = settings.max_model_len
+    else:
+        max_model_len = kvm.align_down(min(limit, tokens), bs)
+    concurrency = blocks // kvm.blocks_for_tokens(max(bs, min(max_model_len, REFERENCE_SEQUENCE_TOKENS)), bs)
+    max_num_seqs = settings.max_num_seqs or min(MAX_NUM_SEQS_CAP, max(1, concurrency))
+    result = SizingPlan(
+        model=profile.name, gpu_type=gpu.name, feasible=True, reason="Fits", message="", dtype=dtype,
+        gpus_per_replica=tp, gpu_memory_bytes=gpu.memory_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization, weights_bytes=weights,
+        weights_bytes_per_gpu=weights_gpu, overhead_bytes=overhead, kv_cache_bytes=blocks * bs * per_token,
+        kv_bytes_per_token=per_token, block_size=bs, kv_blocks=blocks, kv_tokens=tokens,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_position_embeddings=profile.max_position_embeddings,
+        target_queue_depth=max(1, min(max_num_seqs, concurrency)),
+    )
+    usable = budget + weights_gpu + overhead
+    where = f"{tp} x {gpu.name}"
+    if budget < bs * per_token:
+        per_gpu = f" ({gb(weights_gpu)} per GPU)" if tp > 1 else ""
+        return result.with_reason(
+            "WeightsDoNotFit",
+            f"{profile.name} in {dtype} needs {gb(weights)} of weights{per_gpu}; {where} "
+            f"{'have' if tp > 1 else 'has'} {gb(gpu.memory_bytes)}{' each' if tp > 1 else ''} ({gb(usable)} at gpuMemoryUtilization "
+            f"{settings.gpu_memory_utilization:g}, {gb(overhead)} of it runtime and activation overhead)",
+        )
+    needed = kvm.blocks_for_tokens(max_model_len, bs)
+    floor = min(limit, MIN_AUTO_MAX_MODEL_LEN)
+    if settings.max_model_len is not None and needed > blocks:
+        return result.with_reason(
+            "KVCacheTooSmall",
+            f"{where} leaves {gb(budget)} per GPU for {profile.name}'s KV cache after {gb(weights_gpu)} of "
+            f"weights and {gb(overhead)} of overhead: {tokens} tokens ({blocks} blocks x {bs}, "
+            f"{per_token} bytes/token); maxModelLen {max_model_len} needs {needed * bs}",
+        )
+    if settings.max_model_len is None and max_model_len < floor:
+        return result.with_reason(
+            "KVCacheTooSmall",
+            f"{where} leaves {gb(budget)} per GPU for {profile.name}'s KV cache after {gb(weights_gpu)} of "
+            f"weights and {gb(overhead)} of overhead: {tokens} tokens, under the {floor} that "
+            f"maxModelLen auto needs",
+        )
+    return replace(
+        result,
+        message=(
+            f"{where} per replica: {gb(weights_gpu)} weights + {gb(overhead)} overhead + {gb(result.kv_cache_bytes)} "
+            f"KV cache per GPU; {tokens} KV tokens ({blocks} blocks x {bs}), maxModelLen {max_model_len}, "
+            f"maxNumSeqs {max_num_seqs}"
+        ),
+    )
+
+
+def gb(num_bytes: float) -> str:
+    """Decimal gigabytes as GPU vendors print them: 141 GB, 24.2 GB, 0.27 GB."""
+    value = num_bytes / 1e9
+    if abs(value) >= 100:
+        return f"{value:.0f} GB"
+    if abs(value) >= 1:
+        return f"{value:.1f} GB"
+    return f"{value:.2f} GB"
+
+
+def _or_list(values: list[int]) -> str:
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

@@ -1,0 +1,244 @@
+"""InferenceService: API names, defaults, and the parse of a custom object into typed settings.
+
+The API server validates manifests against the CRD first; this parse is the second line, so an object
+stored before a CRD upgrade (or with validation bypassed) becomes a clear `InvalidSpec` condition
+instead of a crash. The defaults here are the CRD's defaults (a test keeps them equal).
+"""
+
+from dataclasses import dataclass, field
+
+from tokenmill.operator.catalog import GPU_TYPES
+from tokenmill.operator.sizing import EngineSettings
+
+GROUP = "serving.tokenmill.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+MODEL_SCHEMES = ("bundled", "pvc", "hf", "file")
+BUNDLED_MODELS = ("smollm2-135m-instruct",)
+VALID_GPU_COUNTS = (1, 2, 4, 8)
+
+DEFAULTS = {
+    "engine.dtype": "auto",
+    "engine.blockSize": 16,
+    "engine.maxModelLen": "auto",
+    "engine.maxNumSeqs": "auto",
+    "engine.gpuMemoryUtilization": 0.9,
+    "engine.enablePrefixCaching": True,
+    "engine.maxWaitingRequests": 256,
+    "resources.cpu": "4",
+    "resources.memory": "32Gi",
+    "scaling.minReplicas": 1,
+    "scaling.targetQueueDepth": "auto",
+    "scaling.scaleUpStabilizationSeconds": 0,
+    "scaling.scaleDownStabilizationSeconds": 300,
+    "scaling.metrics.source": "pods",
+    "apiKeySecretRef.key": "api-key",
+}
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot act on; the message names the field and the limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingSpec:
+    min_replicas: int
+    max_replicas: int
+    target_queue_depth: int | None  # None = from capacity
+    scale_up_stabilization_seconds: int
+    scale_down_stabilization_seconds: int
+    metrics_source: str  # pods | prometheus
+    prometheus_url: str | None = None
+    prometheus_query: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    model_uri: str
+    served_model_name: str
+    profile: dict | None
+    engine: EngineSettings
+    enable_prefix_caching: bool
+    max_waiting_requests: int
+    startup_timeout_seconds: int | None
+    gpu_type: str
+    gpu_count: int | None
+    cpu: str
+    memory: str
+    replicas: int | None  # fixed size; None when scaling is set
+    scaling: ScalingSpec | None
+    template: dict = field(default_factory=dict)
+    api_key_secret: tuple[str, str] | None = None  # (name, key)
+
+    @property
+    def model_scheme(self) -> str:
+        return self.model_uri.split("://", 1)[0]
+
+    @property
+    def model_path(self) -> str:
+        return self.model_uri.split("://", 1)[1]
+
+
+def _get(obj: dict, path: str, default=None):
+    for part in path.split("."):
+        if not isinstance(obj, dict):
+            raise SpecError(f"spec.{path.rsplit('.', 1)[0]} must be an object")
+        obj = obj.get(part)
+        if obj is None:
+            return default
+    return obj
+
+
+def _int(value, where: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where} must be an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(f"{where} must be at least {minimum}, got {value}")
+    return value
+
+
+def _auto_or_int(value, where: str, minimum: int = 1) -> int | None:
+    if value == "auto":
+        return None
+    return _int(value, where, minimum)
+
+
+def _str(value, where: str) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{where} must be a non-empty string, got {value!r}")
+    return value
+
+
+def parse_inference_service(body: dict) -> ServiceSpec:
+    """Typed settings from an InferenceService object; SpecError names the first bad field."""
+    try:
+        return _parse(body)
+    except SpecError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # malformed shapes
+        raise SpecError(f"malformed spec: {e}") from None
+
+
+def _parse(body: dict) -> ServiceSpec:
+    meta = body.get("metadata") or {}
+    spec = body.get("spec")
+    if not isinstance(spec, dict):
+        raise SpecError("spec is missing")
+    d = DEFAULTS
+
+    def get(path: str):
+        return _get(spec, path, d.get(path))
+
+    uri = _str(get("model.uri"), "spec.model.uri")
+    scheme, _, rest = uri.partition("://")
+    if scheme not in MODEL_SCHEMES or not rest:
+        raise SpecError(f"spec.model.uri {uri!r} must start with one of {', '.join(s + '://' for s in MODEL_SCHEMES)}")
+    if scheme == "bundled" and rest not in BUNDLED_MODELS:
+        raise SpecError(f"spec.model.uri {uri!r}: the bundled models are {', '.join(BUNDLED_MODELS)}")
+    if scheme == "pvc" and "/" not in rest.strip("/"):
+        raise SpecError(f"spec.model.uri {uri!r} must be pvc://CLAIM/PATH")
+    profile = get("model.profile")
+    if profile is not None and not isinstance(profile, dict):
+        raise SpecError("spec.model.profile must be an object")
+
+    dtype = _str(get("engine.dtype"), "spec.engine.dtype")
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise SpecError(f"spec.engine.dtype {dtype!r} must be auto, bfloat16, float16 or float32")
+    util = get("engine.gpuMemoryUtilization")
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+        raise SpecError(f"spec.engine.gpuMemoryUtilization must be in (0, 1], got {util!r}")
+    block_size = _int(get("engine.blockSize"), "spec.engine.blockSize", 1)
+    if block_size not in (16, 32):
+        raise SpecError(f"spec.engine.blockSize must be 16 or 32, got {block_size}")
+    engine = EngineSettings(
+        dtype=dtype,
+        block_size=block_size,
+        max_model_len=_auto_or_int(get("engine.maxModelLen"), "spec.engine.maxModelLen"),
+        max_num_seqs=_auto_or_int(get("engine.maxNumSeqs"), "spec.engine.maxNumSeqs"),
+        gpu_memory_utilization=float(util),
+    )
+    startup = get("engine.startupTimeoutSeconds")
+
+    gpu_type = _str(get("resources.gpu.type"), "spec.resources.gpu.type")
+    if gpu_type not in GPU_TYPES:
+        raise SpecError(f"spec.resources.gpu.type {gpu_type!r} is not one of {', '.join(GPU_TYPES)}")
+    gpu_count = get("resources.gpu.count")
+    if gpu_count is not None and _int(gpu_count, "spec.resources.gpu.count", 1) not in VALID_GPU_COUNTS:
+        raise SpecError(f"spec.resources.gpu.count must be 1, 2, 4 or 8, got {gpu_count}")
+
+    replicas = spec.get("replicas")
+    scaling_spec = spec.get("scaling")
+    if replicas is not None and scaling_spec is not None:
+        raise SpecError("spec.replicas and spec.scaling are mutually exclusive")
+    scaling = None
+    if scaling_spec is not None:
+        scaling = _parse_scaling(get)
+    else:
+        replicas = 1 if replicas is None else _int(replicas, "spec.replicas", 0)
+
+    template = spec.get("template") or {}
+    if not isinstance(template, dict):
+        raise SpecError("spec.template must be an object")
+    secret = None
+    if spec.get("apiKeySecretRef") is not None:
+        secret = (_str(get("apiKeySecretRef.name"), "spec.apiKeySecretRef.name"),
+                  _str(get("apiKeySecretRef.key"), "spec.apiKeySecretRef.key"))
+    name = _str(meta.get("name"), "metadata.name")
+    return ServiceSpec(
+        name=name,
+        namespace=_str(meta.get("namespace"), "metadata.namespace"),
+        uid=str(meta.get("uid") or ""),
+        generation=int(meta.get("generation") or 0),
+        model_uri=uri,
+        served_model_name=_str(get("model.name") or name, "spec.model.name"),
+        profile=profile,
+        engine=engine,
+        enable_prefix_caching=bool(get("engine.enablePrefixCaching")),
+        max_waiting_requests=_int(get("engine.maxWaitingRequests"), "spec.engine.maxWaitingRequests", 0),
+        startup_timeout_seconds=None if startup is None else _int(startup, "spec.engine.startupTimeoutSeconds", 60),
+        gpu_type=gpu_type,
+        gpu_count=gpu_count,
+        cpu=_str(get("resources.cpu"), "spec.resources.cpu"),
+        memory=_str(get("resources.memory"), "spec.resources.memory"),
+        replicas=replicas,
+        scaling=scaling,
+        template=template,
+        api_key_secret=secret,
+    )
+
+
+def _parse_scaling(get) -> ScalingSpec:
+    lo = _int(get("scaling.minReplicas"), "spec.scaling.minReplicas", 1)
+    hi = get("scaling.maxReplicas")
+    if hi is None:
+        raise SpecError("spec.scaling.maxReplicas is required")
+    hi = _int(hi, "spec.scaling.maxReplicas", 1)
+    if lo > hi:
+        raise SpecError(f"spec.scaling.minReplicas {lo} is greater than maxReplicas {hi}")
+    source = get("scaling.metrics.source")
+    if source not in ("pods", "prometheus"):
+        raise SpecError(f"spec.scaling.metrics.source must be pods or prometheus, got {source!r}")
+    url = get("scaling.metrics.url")
+    if source == "prometheus" and not url:
+        raise SpecError("spec.scaling.metrics.url is required when source is prometheus")
+    return ScalingSpec(
+        min_replicas=lo,
+        max_replicas=hi,
+        target_queue_depth=_auto_or_int(get("scaling.targetQueueDepth"), "spec.scaling.targetQueueDepth"),
+        scale_up_stabilization_seconds=_int(
+            get("scaling.scaleUpStabilizationSeconds"), "spec.scaling.scaleUpStabilizationSeconds"),
+        scale_down_stabilization_seconds=_int(
+            get("scaling.scaleDownStabilizationSeconds"), "spec.scaling.scaleDownStabilizationSeconds"),
+        metrics_source=source,
+        prometheus_url=url,
+        prometheus_query=get("scaling.metrics.query"),
+    )

@@ -1,0 +1,218 @@
+"""The CRD files: structural schema, descriptions, defaults and enums tied to the Python code.
+
+The API server's own validation of these rules (CEL included) runs in the e2e suite; here we check
+what can drift: the GPU enum against the catalog, defaults against spec.DEFAULTS, and that every
+field the parser reads exists in the schema.
+"""
+
+import pathlib
+
+import pytest
+import yaml
+from tokenmill.operator.catalog import GPU_TYPES
+from tokenmill.operator.spec import DEFAULTS, GROUP, KIND, PLURAL, VERSION, parse_inference_service
+
+CRDS = pathlib.Path(__file__).resolve().parent.parent / "crds"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CRDS / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict:
+    return load(f"{PLURAL}.{GROUP}.yaml")
+
+
+@pytest.fixture(scope="module")
+def version(crd) -> dict:
+    (v,) = crd["spec"]["versions"]
+    return v
+
+
+@pytest.fixture(scope="module")
+def spec_schema(version) -> dict:
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def walk(schema: dict, path: str = ""):
+    yield path, schema
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from walk(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        yield from walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_one_file_per_crd_and_names():
+    files = sorted(p.name for p in CRDS.glob("*.yaml"))
+    assert files == ["clusterkopfpeerings.kopf.dev.yaml", f"{PLURAL}.{GROUP}.yaml", "kopfpeerings.kopf.dev.yaml"]
+    for f in files:
+        doc = load(f)
+        assert doc["kind"] == "CustomResourceDefinition"
+        assert doc["metadata"]["name"] == f.removesuffix(".yaml")
+        assert doc["metadata"]["name"] == f"{doc['spec']['names']['plural']}.{doc['spec']['group']}"
+
+
+def test_group_version_kind(crd, version):
+    assert crd["spec"]["group"] == GROUP and crd["spec"]["names"]["kind"] == KIND
+    assert crd["spec"]["scope"] == "Namespaced"
+    assert version["name"] == VERSION and version["served"] and version["storage"]
+
+
+def test_gpu_type_enum_is_the_catalog(spec_schema):
+    gpu = spec_schema["properties"]["resources"]["properties"]["gpu"]["properties"]
+    assert gpu["type"]["enum"] == list(GPU_TYPES)
+    assert gpu["count"]["enum"] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("name", ["inferenceservices.serving.tokenmill.dev.yaml", "kopfpeerings.kopf.dev.yaml",
+                                  "clusterkopfpeerings.kopf.dev.yaml"])
+def test_every_field_has_a_description_and_a_structural_type(name):
+    doc = load(name)
+    for v in doc["spec"]["versions"]:
+        for path, node in walk(v["schema"]["openAPIV3Schema"]):
+            if path.endswith("{}"):
+                assert node == {"type": "string"}, path
+                continue
+            if path == ".metadata":  # the API server forbids anything but the type here
+                assert node == {"type": "object"}
+                continue
+            assert node.get("description"), f"{name}: {path or '<root>'} has no description"
+            typed = "type" in node or node.get("x-kubernetes-int-or-string")
+            assert typed, f"{path} has no type (structural schemas need one)"
+            if node.get("x-kubernetes-int-or-string"):
+                assert "type" not in node, path
+
+
+def test_defaults_match_the_parser(spec_schema):
+    for dotted, value in DEFAULTS.items():
+        node = spec_schema
+        for part in dotted.split("."):
+            node = node["properties"][part]
+        assert node.get("default") == value, dotted
+
+
+def rules(node: dict) -> list[str]:
+    return [r["rule"] for r in node.get("x-kubernetes-validations") or []]
+
+
+def test_cel_rules_for_cross_field_checks(version, spec_schema):
+    root = version["schema"]["openAPIV3Schema"]
+    assert any("self.metadata.name" in r for r in rules(root))
+    assert "!(has(self.replicas) && has(self.scaling))" in rules(spec_schema)
+    scaling = spec_schema["properties"]["scaling"]
+    assert "self.minReplicas <= self.maxReplicas" in rules(scaling)
+    assert any("prometheus" in r for r in rules(scaling["properties"]["metrics"]))
+    model = spec_schema["properties"]["model"]["properties"]
+    assert any("bundled|pvc|hf|file" in r for r in rules(model["uri"]))
+    for path, node in walk(spec_schema):
+        for rule in node.get("x-kubernetes-validations") or []:
+            assert rule.get("message"), f"{path}: CEL rule without a message"
+        if node.get("x-kubernetes-int-or-string") and path.endswith(("maxModelLen", "maxNumSeqs", "targetQueueDepth")):
+            assert "type(self) == string ? self == 'auto' : self >= 1" in rules(node), path
+
+
+def test_numbers_cannot_be_negative(spec_schema):
+    for path, node in walk(spec_schema):
+        if node.get("type") == "integer" and "enum" not in node:
+            assert node.get("minimum") is not None, f"{path} accepts negative numbers"
+        if node.get("type") == "number":
+            assert node.get("minimum") == 0 and node.get("exclusiveMinimum") is True, path
+    for q in ("cpu", "memory"):
+        node = spec_schema["properties"]["resources"]["properties"][q]
+        assert not node["pattern"].startswith("^(\\+|-)"), "a sign in the quantity pattern admits negatives"
+
+
+def test_subresources_and_printer_columns(version):
+    sub = version["subresources"]
+    assert sub["status"] == {}
+    assert sub["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector"}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["GPUs/Replica"] == ".status.sizing.gpusPerReplica"
+    assert columns["KV-Tokens"] == ".status.sizing.kvTokens"
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert {"Model", "Ready-Replicas", "Desired", "Age"} <= set(columns)
+
+
+def test_status_schema_has_what_the_operator_writes(version):
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    from tokenmill.operator.catalog import MODEL_PROFILES
+    from tokenmill.operator.reconcile import plan_status
+    from tokenmill.operator.sizing import plan
+
+    p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"])
+    assert set(plan_status(p, MODEL_PROFILES["SmolLM2-135M"])) <= set(status["sizing"]["properties"])
+    for key in ("observedGeneration", "conditions", "replicas", "readyReplicas", "desiredReplicas", "selector",
+                "endpoint", "scaling", "kopf"):
+        assert key in status
+
+
+def full_object() -> dict:
+    """A manifest that sets every field of the schema (an example for users, too)."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": "chat", "namespace": "team-a", "uid": "u1", "generation": 3},
+        "spec": {
+            "model": {"uri": "pvc://models/my-llama/weights", "name": "my-llama",
+                      "profile": {"base": "Llama-3.1-8B", "parameters": 8_030_261_248, "layers": 32, "hiddenSize": 4096,
+                                  "intermediateSize": 14336, "numAttentionHeads": 32, "numKeyValueHeads": 8,
+                                  "headDim": 128, "vocabSize": 128256, "maxPositionEmbeddings": 131072,
+                                  "tieWordEmbeddings": False}},
+            "engine": {"dtype": "bfloat16", "blockSize": 16, "maxModelLen": 8192, "maxNumSeqs": "auto",
+                       "gpuMemoryUtilization": 0.85, "enablePrefixCaching": False, "maxWaitingRequests": 64,
+                       "startupTimeoutSeconds": 1200},
+            "resources": {"gpu": {"type": "nvidia-l4", "count": 1}, "cpu": "8", "memory": "40Gi"},
+            "scaling": {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 6, "scaleUpStabilizationSeconds": 30,
+                        "scaleDownStabilizationSeconds": 600,
+                        "metrics": {"source": "prometheus", "url": "http://prometheus.monitoring:9090",
+                                    "query": "sum(vllm:num_requests_waiting{namespace=\"$namespace\"})"}},
+            "template": {"image": "registry.example/tokenmill:1", "imagePullPolicy": "IfNotPresent",
+                         "imagePullSecrets": [{"name": "regcred"}], "nodeSelector": {"pool": "gpu"},
+                         "tolerations": [{"key": "dedicated", "operator": "Exists"}], "affinity": {},
+                         "priorityClassName": "inference", "serviceAccountName": "engine", "runtimeClassName": "nvidia",
+                         "annotations": {"a": "b"}, "labels": {"team": "a"}, "env": [{"name": "X", "value": "1"}]},
+            "apiKeySecretRef": {"name": "chat-keys", "key": "api-key"},
+        },
+    }
+
+
+def test_every_schema_field_is_read_by_the_parser(spec_schema):
+    obj = full_object()
+    schema_paths = {p for p, _ in walk(spec_schema) if p}
+    set_paths = set()
+
+    def collect(value, path=""):
+        if isinstance(value, dict) and path not in (".template.affinity", ".template.nodeSelector",
+                                                    ".template.annotations", ".template.labels"):
+            for k, v in value.items():
+                collect(v, f"{path}.{k}")
+        elif isinstance(value, list):
+            for item in value:
+                collect(item, f"{path}[]")
+        set_paths.add(path)
+
+    collect(obj["spec"])
+    set_paths.discard("")
+    leaves = {p for p, n in walk(spec_schema) if p and not n.get("properties") and not p.endswith("{}")}
+    # replicas is exclusive with scaling: parsed in test_operator_reconcile's fixed-size objects
+    missing = {p for p in leaves if p not in set_paths and p != ".replicas"}
+    assert not missing, f"the example omits {missing}"
+    assert set_paths <= schema_paths | {".template.tolerations[].key", ".template.tolerations[].operator",
+                                        ".template.env[].value"}
+    spec = parse_inference_service(obj)
+    assert spec.scaling.prometheus_query and spec.engine.max_model_len == 8192 and spec.gpu_count == 1
+
+
+def test_peering_crds_match_kopf():
+    import kopf._cogs.structs.references as refs
+
+    cluster, ns = load("clusterkopfpeerings.kopf.dev.yaml"), load("kopfpeerings.kopf.dev.yaml")
+    assert (cluster["spec"]["scope"], ns["spec"]["scope"]) == ("Cluster", "Namespaced")
+    assert refs.CLUSTER_PEERINGS_K.any_name == cluster["spec"]["names"]["plural"]
+    assert refs.NAMESPACED_PEERINGS_K.any_name == ns["spec"]["names"]["plural"]
+    assert refs.CLUSTER_PEERINGS_K.group == "kopf.dev" == cluster["spec"]["group"]
+    assert cluster["spec"]["versions"][0]["name"] == refs.CLUSTER_PEERINGS_K.version

@@ -1,0 +1,214 @@
+"""Sizing against hand-computed tables.
+
+Expectations are written out from the models' config.json numbers and the documented overhead model
+(docs/operator.md): `reference()` below is an independent transcription of that arithmetic, and the
+literal anchors were computed by hand (the working is in the comments).
+"""
+
+import math
+
+import pytest
+from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES, ModelProfile
+from tokenmill.operator.sizing import EngineSettings, plan, valid_tensor_parallel_sizes
+
+GiB = 2**30
+
+# name: (params, layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_positions)
+MODELS = {
+    "SmolLM2-135M": (134_515_008, 30, 576, 9, 3, 64, 1536, 49152, 8192),
+    "Llama-3.1-8B": (8_030_261_248, 32, 4096, 32, 8, 128, 14336, 128256, 131072),
+    "Llama-3.1-70B": (70_553_706_496, 80, 8192, 64, 8, 128, 28672, 128256, 131072),
+    "Qwen2.5-7B": (7_615_616_512, 28, 3584, 28, 4, 128, 18944, 152064, 32768),
+    "Qwen2.5-72B": (72_706_203_648, 80, 8192, 64, 8, 128, 29568, 152064, 32768),
+    "Mistral-7B": (7_248_023_552, 32, 4096, 32, 8, 128, 14336, 32768, 32768),
+}
+# nvidia-smi memory.total in MiB
+GPU_MIB = {"nvidia-a10g": 23028, "nvidia-l4": 23034, "nvidia-a100-40gb": 40960, "nvidia-a100-80gb": 81920,
+           "nvidia-h100-80gb": 81559, "nvidia-h200-141gb": 143771}
+
+
+def reference(model: str, gpu: str, tp: int, max_model_len=None, util=0.9, seqs=None, dtype_bytes=2, bs=16):
+    """The documented model, transcribed: returns (feasible, kv_blocks, max_model_len, max_num_seqs)."""
+    params, layers, hidden, heads, kv, d, inter, vocab, maxpos = MODELS[model]
+    usable = math.floor(GPU_MIB[gpu] * 2**20 * util)
+    weights = -(-params * dtype_bytes // tp)
+    heads_rank, kv_rank = math.ceil(heads / tp), max(1, math.ceil(kv / tp))
+    act = math.ceil(3.5 * 2048 * dtype_bytes * (2 * hidden + (heads_rank + 2 * kv_rank) * d + 3 * math.ceil(inter / tp)))
+    sampler = (seqs or 256) * vocab * 20
+    overhead = 2 * GiB + (GiB // 2 if tp > 1 else 0) + act + sampler
+    per_token = 2 * layers * kv_rank * d * dtype_bytes
+    budget = usable - weights - overhead
+    blocks = max(0, budget) // (bs * per_token)
+    if budget < bs * per_token:
+        return False, 0, None, None
+    tokens = blocks * bs
+    mml = max_model_len if max_model_len else (min(maxpos, tokens) // bs) * bs
+    if max_model_len and -(-max_model_len // bs) > blocks:
+        return False, blocks, mml, None
+    if not max_model_len and mml < min(maxpos, 4096):
+        return False, blocks, mml, None
+    per_seq = -(-max(bs, min(mml, 2048)) // bs)
+    return True, blocks, mml, seqs or min(256, max(1, blocks // per_seq))
+
+
+def test_llama_8b_on_l4_by_hand():
+    # usable = floor(0.9 * 23034 MiB) = floor(21,737,609,625.6) = 21,737,609,625
+    # weights = 8,030,261,248 x 2 = 16,060,522,496
+    # activations = 3.5 x 2048 x 2 x (2x4096 + (32+16)x128 + 3x14336 = 57,344) = 822,083,584
+    # sampler = 256 x 128,256 x 20 = 656,670,720; overhead = 2 GiB + both = 3,626,237,952
+    # budget = 2,050,849,177; block = 16 x 131,072 = 2,097,152 bytes -> 977 blocks, 15,632 tokens
+    p = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-l4"])
+    assert p.feasible and p.reason == "Fits"
+    assert p.weights_bytes == 16_060_522_496
+    assert p.kv_bytes_per_token == 131_072
+    assert p.overhead_bytes == 3_626_237_952
+    assert (p.kv_blocks, p.kv_tokens, p.max_model_len) == (977, 15_632, 15_632)
+    assert p.max_num_seqs == 977 // 128 == 7
+    assert p.kv_cache_bytes == 977 * 2_097_152
+    assert p.gpus_per_replica == 1
+
+
+def test_smollm2_on_l4_by_hand():
+    # weights 269,030,016; activations 3.5 x 2048 x 2 x (1152 + 15x64 + 4608 = 6,720) = 96,337,920
+    # sampler 256 x 49,152 x 20 = 251,658,240; overhead 2,495,479,808
+    # budget 21,737,609,625 - 269,030,016 - 2,495,479,808 = 18,973,099,801; block 16 x 23,040 = 368,640
+    p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"])
+    assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert (p.kv_blocks, p.kv_tokens) == (51_467, 823_472)
+    assert p.max_model_len == 8192  # the model's limit, not the pool's
+    assert p.max_num_seqs == 256
+
+
+def test_llama_70b_on_eight_l4_by_hand():
+    # TP 8: weights/GPU = 141,107,412,992 / 8 = 17,638,426,624; one KV head per rank: 40,960 B/token
+    # activations 3.5 x 2048 x 2 x (16384 + (8+2)x128 + 3x3584 = 28,416) = 407,371,776
+    # overhead = 2 GiB + 0.5 GiB + 407,371,776 + 656,670,720 = 3,748,397,056
+    # budget = 21,737,609,625 - 17,638,426,624 - 3,748,397,056 = 350,785,945 -> 535 blocks of 655,360
+    p = plan(MODEL_PROFILES["Llama-3.1-70B"], GPU_TYPES["nvidia-l4"])
+    assert p.gpus_per_replica == 8
+    assert p.kv_bytes_per_token == 40_960
+    assert (p.kv_blocks, p.kv_tokens, p.max_model_len) == (535, 8560, 8560)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("gpu", sorted(GPU_MIB))
+def test_table_matches_reference_at_the_fewest_gpus(model, gpu):
+    p = plan(MODEL_PROFILES[model], GPU_TYPES[gpu])
+    heads, kv = MODELS[model][3], MODELS[model][4]
+    candidates = [tp for tp in (1, 2, 4, 8) if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
+    fitting = [tp for tp in candidates if reference(model, gpu, tp)[0]]
+    if not fitting:
+        assert not p.feasible
+        return
+    tp = fitting[0]
+    ok, blocks, mml, seqs = reference(model, gpu, tp)
+    assert (p.feasible, p.gpus_per_replica, p.kv_blocks, p.max_model_len, p.max_num_seqs) == (ok, tp, blocks, mml, seqs)
+    assert p.kv_tokens == blocks * 16
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "tp"),
+    [("Llama-3.1-8B", "nvidia-a10g", 1), ("Qwen2.5-7B", "nvidia-h100-80gb", 1), ("Llama-3.1-70B", "nvidia-h200-141gb", 2),
+     ("Qwen2.5-72B", "nvidia-a100-80gb", 4), ("Mistral-7B", "nvidia-a100-40gb", 2), ("Llama-3.1-70B", "nvidia-a100-40gb", 8)],
+)
+def test_explicit_gpu_count_matches_reference(model, gpu, tp):
+    p = plan(MODEL_PROFILES[model], GPU_TYPES[gpu], gpu_count=tp)
+    ok, blocks, mml, seqs = reference(model, gpu, tp)
+    assert (p.feasible, p.kv_blocks, p.max_model_len, p.max_num_seqs) == (ok, blocks, mml, seqs)
+    assert p.gpus_per_replica == tp
+
+
+def test_seventy_b_on_one_l4_says_why_and_what_fits():
+    p = plan(MODEL_PROFILES["Llama-3.1-70B"], GPU_TYPES["nvidia-l4"], gpu_count=1)
+    assert not p.feasible and p.reason == "WeightsDoNotFit"
+    # 70,553,706,496 x 2 bytes = 141.1 GB; 23,034 MiB = 24.15 GB
+    assert "Llama-3.1-70B in bfloat16 needs 141 GB of weights; 1 x nvidia-l4 has 24.2 GB" in p.message
+    # eight L4s fit (test above); among other types the least total memory that fits is 2 x H100
+    # (2 x 81,559 MiB < 2 x A100-80GB 81,920 MiB < 2 x H200 < 8 x A100-40GB)
+    assert reference("Llama-3.1-70B", "nvidia-h100-80gb", 2)[0]
+    assert not reference("Llama-3.1-70B", "nvidia-h100-80gb", 1)[0]
+    assert p.message.endswith("use gpu.count 8 or gpu.type nvidia-h100-80gb with count 2")
+
+
+def test_qwen_72b_does_not_fit_eight_l4():
+    # per GPU: 145,412,407,296 / 8 = 18,176,550,912 weights + overhead 3,875,110,912
+    # (activations 3.5 x 4096 x (16384 + 10x128 + 3x3696) = 412,188,672; sampler 256 x 152064 x 20)
+    # = 22,051,661,824 > 21,737,609,625 usable
+    p = plan(MODEL_PROFILES["Qwen2.5-72B"], GPU_TYPES["nvidia-l4"])
+    assert not p.feasible and p.reason == "WeightsDoNotFit" and p.gpus_per_replica == 8
+    assert "18.2 GB per GPU" in p.message
+    # Fits elsewhere: 8 x A100-40GB (327,680 MiB), 4 x A100-80GB (327,680), 4 x H100 (326,236) and
+    # 2 x H200 (287,542 MiB): the suggestion is the least total memory
+    assert reference("Qwen2.5-72B", "nvidia-h200-141gb", 2)[0] and not reference("Qwen2.5-72B", "nvidia-h200-141gb", 1)[0]
+    assert not reference("Qwen2.5-72B", "nvidia-h100-80gb", 2)[0]
+    assert p.message.endswith("use gpu.type nvidia-h200-141gb with count 2")
+
+
+def test_explicit_max_model_len_too_large_for_the_pool():
+    settings = EngineSettings(max_model_len=32768)
+    p = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-l4"], settings, gpu_count=1)
+    assert not p.feasible and p.reason == "KVCacheTooSmall"
+    assert "15632 tokens (977 blocks x 16" in p.message and "maxModelLen 32768 needs 32768" in p.message
+    # With the count left to the operator it takes two L4s: 9,438 blocks of 1 MiB at TP 2
+    # (budget 21,737,609,625 - 8,030,261,248 - 3,810,787,328 = 9,896,561,049)
+    auto = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-l4"], settings)
+    assert auto.feasible and auto.gpus_per_replica == 2 and auto.kv_blocks == 9438
+    assert auto.max_model_len == 32768
+
+
+def test_max_model_len_beyond_the_model():
+    p = plan(MODEL_PROFILES["Qwen2.5-7B"], GPU_TYPES["nvidia-h200-141gb"], EngineSettings(max_model_len=65536))
+    assert not p.feasible and p.reason == "MaxModelLenTooLarge"
+    assert "65536" in p.message and "32768" in p.message
+
+
+def test_auto_max_model_len_is_block_aligned_and_capped_by_the_model():
+    p = plan(MODEL_PROFILES["Mistral-7B"], GPU_TYPES["nvidia-a10g"], EngineSettings(block_size=32))
+    _ok, blocks, mml, _ = reference("Mistral-7B", "nvidia-a10g", 1, bs=32)
+    assert p.max_model_len == mml and p.max_model_len % 32 == 0 and p.kv_blocks == blocks
+    big = plan(MODEL_PROFILES["Mistral-7B"], GPU_TYPES["nvidia-h200-141gb"])
+    assert big.max_model_len == 32768 < big.kv_tokens
+
+
+def test_invalid_gpu_count_lists_the_valid_ones():
+    p = plan(MODEL_PROFILES["Qwen2.5-7B"], GPU_TYPES["nvidia-h100-80gb"], gpu_count=8)
+    assert not p.feasible and p.reason == "InvalidGPUCount"
+    assert "28 attention heads" in p.message and "use 1, 2 or 4" in p.message
+
+
+def _shape(heads, kv):
+    return ModelProfile("x", 10**9, 4, 1024, heads, kv, 64, 2048, 32000, 4096)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "valid"),
+    [(9, 3, [1]), (28, 4, [1, 2, 4]), (64, 8, [1, 2, 4, 8]), (32, 2, [1, 2, 4, 8]), (14, 2, [1, 2]),
+     (12, 12, [1, 2, 4]), (40, 8, [1, 2, 4, 8])],
+)
+def test_tensor_parallel_degrees_are_powers_of_two_dividing_the_heads(heads, kv, valid):
+    # 32 heads / 2 KV heads at TP 4 or 8: each rank gets 8 or 4 query heads and a replica of one KV head
+    assert valid_tensor_parallel_sizes(_shape(heads, kv)) == valid
+
+
+def test_explicit_max_num_seqs_raises_the_sampler_overhead():
+    small = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-h100-80gb"], EngineSettings(max_num_seqs=16))
+    default = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-h100-80gb"])
+    assert default.overhead_bytes - small.overhead_bytes == (256 - 16) * 128256 * 20
+    assert small.max_num_seqs == 16
+    _ok, blocks, _, _ = reference("Llama-3.1-8B", "nvidia-h100-80gb", 1, seqs=16)
+    assert small.kv_blocks == blocks
+
+
+def test_float32_doubles_weights_and_kv_bytes():
+    p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-a10g"], EngineSettings(dtype="float32"))
+    assert p.dtype == "float32"
+    assert p.weights_bytes == 134_515_008 * 4
+    assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
+    _ok, blocks, _, _ = reference("SmolLM2-135M", "nvidia-a10g", 1, dtype_bytes=4)
+    assert p.kv_blocks == blocks
+
+
+def test_lower_utilization_leaves_less_kv():
+    lo = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-a100-80gb"], EngineSettings(gpu_memory_utilization=0.5))
+    _ok, blocks, mml, _ = reference("Llama-3.1-8B", "nvidia-a100-80gb", 1, util=0.5)
+    assert lo.kv_blocks == blocks and lo.max_model_len == mml
