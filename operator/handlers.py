@@ -20,6 +20,7 @@ import kopf
 from tokenmill.operator import reconcile as rec
 from tokenmill.operator.children import MANAGED_BY, OPERATOR_NAME
 from tokenmill.operator.kube import KubeApi
+from tokenmill.operator.operator_metrics import RECONCILE_SECONDS, RECONCILES
 from tokenmill.operator.spec import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger("tokenmill.operator")
@@ -108,8 +109,11 @@ def _safe_reconcile(memo: kopf.Memo, body: dict, autoscale: bool) -> None:
     """A failure on one object is logged and retried on the next event or tick; others go on."""
     meta = body.get("metadata", {})
     try:
-        rec.reconcile(memo.api, body, memo.config, autoscale=autoscale)
+        with RECONCILE_SECONDS.time():
+            rec.reconcile(memo.api, body, memo.config, autoscale=autoscale)
+        RECONCILES.labels(result="ok").inc()
     except Exception:
+        RECONCILES.labels(result="error").inc()
         log.exception("reconcile of InferenceService %s/%s failed; retrying in %ss",
                       meta.get("namespace"), meta.get("name"), memo.config.interval)
 

@@ -31,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
                    help="engine image for pods whose spec.template.image is unset ($TOKENMILL_ENGINE_IMAGE)")
     p.add_argument("--interval", type=float, default=15.0,
                    help="seconds between autoscaling and drift-correction passes per InferenceService")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve the operator's Prometheus metrics on this port (0: off)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return p
 
@@ -53,6 +55,7 @@ def main(argv: list[str]) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     from tokenmill.operator import handlers
+    from tokenmill.operator.operator_metrics import serve as serve_metrics
     from tokenmill.operator.reconcile import OperatorConfig
 
     config = OperatorConfig(engine_image=args.engine_image, interval=args.interval)
@@ -60,6 +63,8 @@ def main(argv: list[str]) -> int:
     if args.peering:
         # Kopf pauses every operator that sees a live peer of equal priority: replicas need distinct ones.
         priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
+    if args.metrics_port:
+        serve_metrics(args.metrics_port)
     try:
         handlers.run(config, namespaces=args.namespace, peering=args.peering, priority=priority,
                      liveness=args.liveness)
