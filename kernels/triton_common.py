@@ -1,0 +1,66 @@
+"""Small helpers shared by the Triton wrappers (host side only)."""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+def tl_precision(dtype: torch.dtype) -> str:
+    # tl.dot rounds fp32 inputs to tf32 by default; fp32 callers asked for fp32, so use IEEE.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def interp_bf16(dtype: torch.dtype) -> bool:
+    """True when running bf16 through Triton 3.9's interpreter, which gets two bf16 things wrong.
+
+    Measured here: tl.dot on bf16 operands multiplies the raw 16-bit patterns (errors of 1e10), and
+    fp32 -> bf16 casts truncate instead of rounding to nearest even (mean relative error -0.26%).
+    The kernels then upcast dot operands (exact: fp32 products of bf16 values are what the GPU's
+    bf16 MMA computes) and round explicitly, so the interpreter reproduces the compiled numerics.
+    """
+    return dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+
+
+@triton.jit
+def mma(a, b, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """tl.dot(a, b) accumulating in fp32."""
+    if INTERP_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def rne(x, INTERP_BF16: tl.constexpr):
+    """fp32 x, pre-rounded to bf16 precision (nearest even) on the interpreter; unchanged otherwise.
+
+    Call sites then do x.to(dtype): exact after this rounding, and the compiler rounds to nearest
+    itself, so this never changes compiled code.
+    """
+    if INTERP_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"impl='triton' needs head_dim a power of two >= 16 (e.g. 64, 128), got {head_dim}")
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: any small number exercises the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Re-exported so kernels can say `NEG_INF` without a float literal in each file.
+NEG_INF = tl.constexpr(float("-inf"))
