@@ -95,22 +95,21 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(mc.eos_token_ids)
 
-        torch.manual_seed(config.seed)
-        model = load_model(self.model_path, mc, self.dtype, self.device)
         kv_per_token = kv_memory.kv_bytes_per_token(
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype_name
         )
-        num_blocks = self._num_kv_blocks(kv_per_token)
-        need = kv_memory.blocks_for_tokens(max_model_len, config.block_size)
-        if num_blocks < need:
-            have_tokens = num_blocks * config.block_size
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {config.block_size} tokens = {have_tokens} tokens, "
-                f"but one sequence of max_model_len={max_model_len} needs {need} blocks "
-                f"({kv_per_token * config.block_size * need / 2**20:.1f} MiB in {dtype_name}); raise "
-                f"--num-kv-blocks to at least {need} (or --kv-cache-memory) or lower --max-model-len to at most "
-                f"{have_tokens}"
-            )
+        # When the pool size is known from the config alone, refuse a misfit before reading any weight
+        # (a crash-looping pod should not spend minutes loading a model that cannot run).
+        sized_early = config.num_kv_blocks is not None or config.kv_cache_memory is not None
+        sized_early = sized_early or self.device.type != "cuda"
+        if sized_early:
+            num_blocks = self._num_kv_blocks(kv_per_token)
+            self._check_pool(num_blocks, kv_per_token, dtype_name)
+        torch.manual_seed(config.seed)
+        model = load_model(self.model_path, mc, self.dtype, self.device)
+        if not sized_early:
+            num_blocks = self._num_kv_blocks(kv_per_token)
+            self._check_pool(num_blocks, kv_per_token, dtype_name)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self.runner = ModelRunner(
@@ -141,6 +140,19 @@ class EngineCore:
             device=str(self.device),
         )
         logger.info(self.capacity.describe())
+
+    def _check_pool(self, num_blocks: int, kv_per_token: int, dtype_name: str) -> None:
+        config, max_model_len = self.config, self.max_model_len
+        need = kv_memory.blocks_for_tokens(max_model_len, config.block_size)
+        if num_blocks < need:
+            have_tokens = num_blocks * config.block_size
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {config.block_size} tokens = {have_tokens} tokens, "
+                f"but one sequence of max_model_len={max_model_len} needs {need} blocks "
+                f"({kv_per_token * config.block_size * need / 2**20:.1f} MiB in {dtype_name}); raise "
+                f"--num-kv-blocks to at least {need} (or --kv-cache-memory) or lower --max-model-len to at most "
+                f"{have_tokens}"
+            )
 
     def _num_kv_blocks(self, kv_per_token: int) -> int:
         cfg = self.config

@@ -120,7 +120,8 @@ class Sampler:
             sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[1]
             if any(k > 0 for k in top_k):
-                k = torch.tensor([k if k > 0 else vocab for k in top_k], device=self.device).unsqueeze(1)
+                # top_k beyond the vocabulary (or 0) keeps every token.
+                k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=self.device).unsqueeze(1)
                 ranks = torch.arange(vocab, device=self.device).unsqueeze(0)
                 sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
             if any(p < 1.0 for p in top_p):

@@ -68,6 +68,10 @@ class SamplingParams:
             f"logprobs must be in [0, 20], got {self.logprobs}",
         )
         _check(all(s for s in self.stop), "stop strings must not be empty")
+        _check(
+            self.seed is None or -(2**63) <= self.seed <= 2**63 - 1 - self.n,
+            f"seed must fit in a signed 64-bit integer, got {self.seed}",
+        )
         for tok, bias in self.logit_bias.items():
             _check(-100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
 

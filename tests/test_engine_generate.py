@@ -212,12 +212,27 @@ def test_bad_input_raises_clear_errors_and_leaks_nothing(llm_fp32) -> None:
         llm_fp32.generate(prompt_token_ids=[[]], use_tqdm=False)
 
 
-def test_pool_too_small_for_one_sequence_names_the_numbers() -> None:
+def test_pool_too_small_for_one_sequence_names_the_numbers(monkeypatch) -> None:
+    import tokenmill.engine.engine_core as core
+
+    def must_not_load(*a, **k):
+        raise AssertionError("weights were loaded before the pool size was checked")
+
+    monkeypatch.setattr(core, "load_model", must_not_load)
     with pytest.raises(ValueError) as e:
         LLM(dtype="float32", max_model_len=512, num_kv_blocks=10)
     msg = str(e.value)
     assert "10 blocks x 16 tokens = 160 tokens" in msg and "needs 32 blocks" in msg
     assert "--num-kv-blocks" in msg and "--max-model-len" in msg
+
+
+def test_out_of_range_top_k_and_seed(llm_fp32, prompt_ids) -> None:
+    # top_k beyond the vocabulary means "no top-k", not an overflow inside the step.
+    huge = SamplingParams(temperature=1.0, top_k=2**62, seed=3, max_tokens=4, ignore_eos=True)
+    none = SamplingParams(temperature=1.0, top_k=0, seed=3, max_tokens=4, ignore_eos=True)
+    assert run_tokens(llm_fp32, [prompt_ids[0]], huge) == run_tokens(llm_fp32, [prompt_ids[0]], none)
+    with pytest.raises(ValueError, match="seed must fit in a signed 64-bit integer"):
+        SamplingParams(seed=2**64)
 
 
 def test_missing_model_is_a_clear_error(tmp_path) -> None:
