@@ -1,0 +1,308 @@
+"""AsyncLLM: the API process's side of the engine.
+
+It tokenizes and applies chat templates on a worker thread (a long prompt never stalls the event
+loop that feeds every other stream), counts admission, turns the core's token ids into text with the
+OutputProcessor, and hands each request its outputs through its own asyncio queue. A request whose
+consumer goes away (client disconnect, cancellation) is aborted in the core, which frees its blocks.
+
+Admission: a request counts as waiting from the moment it is admitted (before tokenization) until the
+scheduler first runs it; with `max_waiting_requests` already waiting, `admit` raises QueueFullError.
+"""
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.core_client import EngineDeadError, EngineInfo, RejectedRequest, StepOutputs
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.outputs import EngineCoreRequest, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    def __init__(self, num_waiting: int, limit: int) -> None:
+        super().__init__(
+            f"the server is overloaded: {num_waiting} requests are already waiting "
+            f"(--max-waiting-requests {limit}); retry later"
+        )
+
+
+class RequestRejectedError(Exception):
+    """The engine core refused the request; client_error says whose fault it was."""
+
+    def __init__(self, message: str, client_error: bool) -> None:
+        super().__init__(message)
+        self.client_error = client_error
+
+
+class RequestAbortedError(Exception):
+    """The server aborted the request (shutdown grace period exceeded)."""
+
+
+@dataclass(slots=True)
+class _RequestState:
+    queue: asyncio.Queue
+    arrival_time: float  # time.monotonic(), the clock the scheduler's queue times use
+    num_prompt_tokens: int
+    n: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Any,
+        info: EngineInfo,
+        *,
+        max_waiting_requests: int | None = None,
+        metrics: Any = None,
+        on_dead: Callable[[EngineDeadError], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.info = info
+        self.max_model_len: int = info.capacity.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self.on_dead = on_dead
+        # The detokenizer gets its own copy: the tokenizer thread and the event loop never share one.
+        self.processor = OutputProcessor(copy.deepcopy(tokenizer))
+        # One thread: requests tokenize in arrival order and the tokenizer is never used concurrently.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._states: dict[str, _RequestState] = {}
+        self._unscheduled: set[str] = set()  # admitted, not yet run by the scheduler
+        self._preprocessing: set[str] = set()  # admitted, not yet sent to the core
+        self._in_flight: set[str] = set()  # admitted, response not finished
+        self.dead_error: EngineDeadError | None = None
+        self._abort_reason: str | None = None  # set by abort_all: nothing new may start
+        self._output_task: asyncio.Task | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._output_task = asyncio.get_running_loop().create_task(self._output_loop(), name="engine-outputs")
+
+    async def close(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+            try:
+                await self._output_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def num_unscheduled(self) -> int:
+        return len(self._unscheduled)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def admit(self, request_ids: list[str]) -> None:
+        """Count requests as waiting before any work is done for them; raise QueueFullError if full."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        limit = self.max_waiting_requests
+        if limit is not None and len(self._unscheduled) >= limit:
+            raise QueueFullError(len(self._unscheduled), limit)
+        self._unscheduled.update(request_ids)
+        self._preprocessing.update(request_ids)
+        self._in_flight.update(request_ids)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget admitted requests that will not (or no longer) run. Idempotent."""
+        for rid in request_ids:
+            self._unscheduled.discard(rid)
+            self._preprocessing.discard(rid)
+            self._in_flight.discard(rid)
+
+    # ---- tokenization (worker thread) ----------------------------------------------------------
+    async def _in_pool(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._in_pool(
+            lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        )
+
+    async def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        def run() -> tuple[str, list[int]]:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            # The template already carries any BOS; adding special tokens again would double it.
+            return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+        return await self._in_pool(run)
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return await self._in_pool(
+            lambda: self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        )
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Cumulative RequestOutputs of one admitted request, the last with finished=True. Closing or
+        cancelling the generator early aborts the request in the core."""
+        done = False
+        try:
+            if self.dead_error is not None:
+                raise self.dead_error
+            if self._abort_reason is not None:
+                raise RequestAbortedError(self._abort_reason)
+            state = _RequestState(
+                asyncio.Queue(),
+                time.monotonic() if arrival_time is None else arrival_time,
+                len(prompt_token_ids),
+                params.n,
+            )
+            self._states[request_id] = state
+            self.processor.add_request(request_id, prompt, prompt_token_ids, params, state.arrival_time)
+            self._preprocessing.discard(request_id)
+            self.client.add_request(
+                EngineCoreRequest(request_id, list(prompt_token_ids), params, state.arrival_time, priority)
+            )
+            while True:
+                item = await state.queue.get()
+                # Outputs are cumulative: a consumer that fell behind needs only the newest one.
+                while not state.queue.empty() and not isinstance(item, BaseException):
+                    item = state.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    done = True  # nothing of it is left in the core
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(request_id)
+            self.release([request_id])
+
+    def abort(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        self.release([request_id])
+        if state is None:
+            return
+        self.processor.abort_request(request_id)
+        self.client.abort_requests([request_id])
+        if self.metrics is not None:
+            now = time.monotonic()
+            self.metrics.record_finished(
+                now - state.arrival_time,
+                state.num_prompt_tokens,
+                state.num_generation_tokens,
+                ["abort"] * state.n,
+            )
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every request (shutdown); their consumers, and any that try to start, get
+        RequestAbortedError."""
+        self._abort_reason = reason
+        ids = list(self._states)
+        for rid in ids:
+            state = self._states.pop(rid)
+            self.processor.abort_request(rid)
+            state.queue.put_nowait(RequestAbortedError(reason))
+        if ids:
+            self.client.abort_requests(ids)
+        return len(ids)
+
+    # ---- the output loop -----------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                item = await self.client.get_output()
+                if isinstance(item, RejectedRequest):
+                    self._reject(item)
+                else:
+                    self._process_step(item)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:
+            logger.exception("processing engine outputs failed")
+            self._fail_all(EngineDeadError(f"processing engine outputs failed: {type(e).__name__}: {e}"))
+
+    def _reject(self, item: RejectedRequest) -> None:
+        state = self._states.pop(item.request_id, None)
+        self.release([item.request_id])
+        if state is not None:
+            self.processor.abort_request(item.request_id)
+            state.queue.put_nowait(RequestRejectedError(item.message, item.client_error))
+
+    def _process_step(self, step: StepOutputs) -> None:
+        now = time.monotonic()
+        for rid, _waited in step.stats.queue_times:
+            self._unscheduled.discard(rid)
+        outputs = [
+            o for o in step.outputs if o.request_id in self._states
+        ]  # drop late tokens of aborted ones
+        num_new_tokens = 0
+        touched: set[str] = set()
+        for o in outputs:
+            num_new_tokens += len(o.new_token_ids)
+            self._states[o.request_id].num_generation_tokens += len(o.new_token_ids)
+            touched.add(o.request_id)
+        for rid in touched:
+            state = self._states[rid]
+            self._unscheduled.discard(rid)
+            if self.metrics is not None:
+                if state.first_token_time is None:
+                    self.metrics.record_first_token(now - state.arrival_time, state.num_prompt_tokens)
+                else:
+                    self.metrics.record_inter_token(now - state.last_token_time)
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.last_token_time = now
+
+        request_outputs, to_abort = self.processor.process_outputs(outputs)
+        if to_abort:
+            self.client.abort_requests(to_abort)
+        for ro in request_outputs:
+            state = self._states[ro.request_id]
+            state.queue.put_nowait(ro)
+            if ro.finished:
+                del self._states[ro.request_id]
+                self._unscheduled.discard(ro.request_id)
+                if self.metrics is not None:
+                    self.metrics.record_finished(
+                        now - state.arrival_time,
+                        state.num_prompt_tokens,
+                        sum(len(c.token_ids) for c in ro.outputs),
+                        [c.finish_reason or "abort" for c in ro.outputs],
+                    )
+        if self.metrics is not None:
+            self.metrics.record_step(step.stats, num_new_tokens, len(self._preprocessing))
+
+    def _fail_all(self, err: EngineDeadError) -> None:
+        logger.error("engine core is dead: %s; failing %d in-flight requests", err, len(self._states))
+        self.dead_error = err
+        for rid, state in list(self._states.items()):
+            state.queue.put_nowait(err)
+            self.processor.abort_request(rid)
+        self._states.clear()
+        if self.on_dead is not None:
+            self.on_dead(err)

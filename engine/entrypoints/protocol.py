@@ -1,0 +1,246 @@
+"""OpenAI-shaped request and response schemas (pydantic), kept apart from the serving logic.
+
+Requests accept unknown fields and ignore them (clients send `user`, `metadata`, `store`, ...); fields
+that would change the meaning of a request and that we do not implement (tools, response_format other
+than text, suffix, best_of != n) are refused by the serving code with a 400 that names them.
+Ranges are checked by SamplingParams, the one place that knows them.
+"""
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Integers a client sends must fit the engine's int64 tensors and the msgpack wire: an out-of-range value
+# is the client's 400, never an engine crash. Python's json module also accepts NaN and Infinity, which
+# allow_inf_nan=False turns away.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---- shared pieces -----------------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SamplingExtras(OpenAIBaseModel):
+    """vLLM's extra sampling parameters, accepted on both endpoints (top level or via extra_body)."""
+
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Int64] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: Int64 | None = None  # lower is served first (vLLM's convention); default 0
+
+
+# ---- chat --------------------------------------------------------------------------------------
+class ChatContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingExtras):
+    model: str | None = None
+    messages: list[ChatMessage]
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Int64 | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
+    n: Int64 | None = 1
+    presence_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+    add_generation_prompt: bool = True
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- completions -------------------------------------------------------------------------------
+class CompletionRequest(SamplingExtras):
+    model: str | None = None
+    # A text, a list of texts, a list of token ids, or a list of lists of token ids.
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    best_of: Int64 | None = None
+    echo: bool | None = False
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Int64 | None = None
+    max_tokens: Int64 | None = 16  # OpenAI's default for completions
+    n: Int64 | None = 1
+    presence_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenize, detokenize --------------------------------------------------------------
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenmill"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[Int64]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

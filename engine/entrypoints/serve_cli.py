@@ -1,0 +1,372 @@
+"""`tokenmill serve`: the OpenAI-compatible server.
+
+Every flag can also come from the environment as TOKENMILL_<FLAG> (e.g. TOKENMILL_API_KEY,
+TOKENMILL_MAX_NUM_SEQS); a flag on the command line wins over the environment.
+
+Lifecycle: HTTP comes up at once (/health answers 503 while the model loads); the engine core starts
+in a child process and reports its capacity, which is logged; SIGTERM (what Kubernetes sends) stops
+admission (503), lets in-flight requests finish within --shutdown-grace-period, aborts the rest and
+exits 0. If the engine core dies, in-flight requests fail with 500, /health turns 503 and the
+process exits 1 so that Kubernetes restarts the pod.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import time
+from collections.abc import AsyncIterator
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core_client import EngineDeadError, InprocClient, MPClient
+from tokenmill.engine.entrypoints.api_server import build_app
+from tokenmill.engine.entrypoints.metrics import ServerMetrics
+from tokenmill.engine.entrypoints.serving_common import ServerState
+
+logger = logging.getLogger("tokenmill.serve")
+
+ENV_PREFIX = "TOKENMILL_"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # the bundled model, as the operator's bundled:// URI names it
+DEATH_EXIT_DELAY_S = 1.0  # lets the 500s of failed requests reach their clients before the process exits
+
+_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1e9', '1073741824' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (examples: 2GiB, 512MiB, 1e9)")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenmill serve",
+        description="OpenAI-compatible server. Every flag can also be set as TOKENMILL_<FLAG>, "
+        "e.g. TOKENMILL_API_KEY or TOKENMILL_MAX_NUM_SEQS.",
+    )
+    p.add_argument(
+        "--model", default=None, help="HF folder or GGUF file; default: the bundled SmolLM2-135M-Instruct"
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in `model`; the first is reported (default: --model, or "
+        f"{DEFAULT_MODEL_NAME})",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize"
+    )
+    p.add_argument(
+        "--require-auth-for-metrics",
+        action="store_true",
+        help="also require the API key on /metrics (open by default for Prometheus)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=_non_negative_int,
+        default=256,
+        help="answer 429 when this many admitted requests wait to be scheduled; 0: no limit",
+    )
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    kv.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default=None, help="bytes for the KV cache, e.g. 2GiB"
+    )
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shutdown-grace-period",
+        type=_seconds,
+        default=25.0,
+        help="seconds in-flight requests get to finish after SIGTERM (Kubernetes kills at 30 by default)",
+    )
+    p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine core in a thread of this process instead of a child process (debugging)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--disable-access-log", action="store_true")
+    return p
+
+
+def _env_value(action: argparse.Action, raw: str, env_name: str) -> object:
+    if action.nargs == 0:  # store_true and --x/--no-x flags
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{env_name}={raw!r}: expected true or false")
+    convert = action.type or str
+    if action.nargs in ("+", "*"):
+        return [convert(v) for v in re.split(r"[,\s]+", raw.strip()) if v]
+    value = convert(raw)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{env_name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+    return value
+
+
+def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """Command line over environment over defaults."""
+    parser = build_parser()
+    env = os.environ if environ is None else environ
+    defaults = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        name = ENV_PREFIX + action.dest.upper()
+        if name in env:
+            try:
+                defaults[action.dest] = _env_value(action, env[name], name)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{name}: {e}")
+    parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    if args.num_kv_blocks is not None and args.kv_cache_memory is not None:
+        parser.error("give --num-kv-blocks or --kv-cache-memory, not both (also via TOKENMILL_*)")
+    if args.served_model_name is None:
+        args.served_model_name = [args.model or DEFAULT_MODEL_NAME]
+    return args
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+    )
+
+
+class Server(uvicorn.Server):
+    """uvicorn with tokenmill's shutdown: drain on SIGTERM/SIGINT, exit codes that say what happened."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_period_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_period_s = grace_period_s
+        self.exit_code = 0
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's: it would close the listener at once (no 503s) and re-raise the signal at exit
+        # (exit status -15 instead of 0).
+        if self._draining:
+            if sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
+                self.force_exit = self.should_exit = True
+            return
+        self._draining = True
+        if self._loop is None:
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain(signal.Signals(sig).name)))
+
+    async def drain(self, why: str) -> None:
+        state, engine = self.state, self.state.engine
+        if state.status in ("ready", "loading"):
+            state.status, state.status_detail = "draining", "the server is shutting down"
+        if engine is None:
+            logger.info("received %s before the model was ready; exiting", why)
+            self.should_exit = True
+            return
+        logger.info(
+            "received %s: no new requests; %d in flight get up to %.0fs to finish",
+            why,
+            engine.num_in_flight,
+            self.grace_period_s,
+        )
+        deadline = time.monotonic() + self.grace_period_s
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            n = engine.abort_all(
+                f"the server is shutting down and the grace period of {self.grace_period_s:.0f}s has passed"
+            )
+            logger.warning("grace period over: aborted %d requests", n)
+            settle = time.monotonic() + 2.0  # let the handlers write their answers
+            while engine.num_in_flight and time.monotonic() < settle:
+                await asyncio.sleep(0.05)
+        logger.info("drained; shutting down")
+        self.should_exit = True
+
+    def exit_soon(self, code: int, delay_s: float = 0.0) -> None:
+        self.exit_code = code
+
+        def stop() -> None:
+            self.should_exit = True
+
+        if self._loop is not None:
+            self._loop.call_later(delay_s, stop)
+        else:
+            stop()
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A Hugging Face folder for `model` (a GGUF is converted on first use, then cached)."""
+    from tokenmill.engine.model_loader import resolve_model  # imports torch: called in a worker thread
+
+    return str(resolve_model(model))
+
+
+def load_tokenizer_and_config(path: str) -> tuple:
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.model_loader import load_tokenizer
+
+    return load_tokenizer(path), load_model_config(path)
+
+
+async def bring_up(state: ServerState, args: argparse.Namespace, server: Server) -> None:
+    """Resolve the model, then start the engine core and load the tokenizer side by side (both take
+    seconds of imports and loading), then open for requests. Heavy imports run in worker threads: the
+    event loop keeps answering /health meanwhile."""
+    config = engine_config(args)
+    try:
+        # Resolve first, once: a first-time GGUF conversion must not run in two processes at once.
+        config.model = await asyncio.to_thread(resolve_model_path, args.model)
+        client = InprocClient(config) if args.engine_in_process else MPClient(config, args.log_level.upper())
+        state.extra["client"] = client
+        info, (tokenizer, model_config) = await asyncio.gather(
+            client.start(), asyncio.to_thread(load_tokenizer_and_config, config.model)
+        )
+    except Exception as e:
+        logger.error("startup failed: %s", e)
+        state.status, state.status_detail = "failed", f"startup failed: {e}"
+        server.exit_soon(1)
+        return
+    capacity = info.capacity
+    metrics = ServerMetrics(state.model_name, capacity.max_model_len)
+    metrics.set_capacity(capacity, config.enable_prefix_caching)
+
+    def on_dead(err: EngineDeadError) -> None:
+        state.status, state.status_detail = "dead", f"the engine core failed ({err}); the server is exiting"
+        logger.error("engine core died: %s; exiting with status 1", err)
+        server.exit_soon(1, DEATH_EXIT_DELAY_S)
+
+    engine = AsyncLLM(
+        client,
+        tokenizer,
+        info,
+        max_waiting_requests=args.max_waiting_requests or None,
+        metrics=metrics,
+        on_dead=on_dead,
+    )
+    engine.start()
+    state.engine, state.metrics, state.tokenizer = engine, metrics, tokenizer
+    state.model_root = config.model
+    state.vocab_size = min(len(tokenizer), model_config.vocab_size)
+    state.max_model_len = capacity.max_model_len
+    state.max_num_seqs = capacity.max_num_seqs
+    if state.status == "loading":
+        state.status, state.status_detail = "ready", "ok"
+    logger.info("%s", capacity.describe())
+    logger.info(
+        "ready: serving %s on http://%s:%d (model load %.1fs)",
+        ", ".join(state.served_model_names),
+        args.host,
+        args.port,
+        capacity.model_load_seconds,
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    state = ServerState(
+        served_model_names=list(args.served_model_name),
+        api_key=args.api_key or None,
+        require_auth_for_metrics=args.require_auth_for_metrics,
+    )
+    holder: dict[str, Server] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(bring_up(state, args, holder["server"]))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            if state.engine is not None:
+                await state.engine.close()
+            client = state.extra.get("client")
+            if client is not None:
+                await asyncio.to_thread(client.shutdown)
+
+    app = build_app(state, lifespan)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,  # keep the logging set up above
+        log_level=args.log_level,
+        access_log=not args.disable_access_log,
+        timeout_graceful_shutdown=5,  # the drain above already waited; this only bounds idle connections
+    )
+    server = holder["server"] = Server(config, state, args.shutdown_grace_period)
+    server.run()
+    return server.exit_code

@@ -1,0 +1,218 @@
+"""POST /v1/completions: prompts as text, a list of texts, token ids, or a list of token-id lists.
+
+Each prompt is one engine request; its n choices come back as choice indexes prompt_index * n + i,
+as vLLM and OpenAI number them.
+"""
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+from tokenmill.engine.entrypoints.errors import bad_request, from_value_error
+from tokenmill.engine.entrypoints.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from tokenmill.engine.entrypoints.serving_common import (
+    SAMPLING_PARAM_NAMES,
+    SSE_DONE,
+    ServerState,
+    TokenTexts,
+    build_sampling_params,
+    completion_logprobs,
+    engine_error,
+    merge_async_iterators,
+    resolve_max_tokens,
+    run_until_disconnect,
+    sse,
+)
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+def split_prompts(prompt: Any) -> list[str | list[int]]:
+    """The four accepted shapes -> a list of prompts, each a text or a list of token ids."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt")
+    return prompts
+
+
+def _check_unsupported(req: CompletionRequest, n: int) -> None:
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    if req.best_of is not None and req.best_of != n:
+        raise bad_request(f"best_of must equal n ({n}) on this server, got {req.best_of}", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    state.check_model(req.model)
+    state.ready_engine()
+    prompts = split_prompts(req.prompt)
+    n = 1 if req.n is None else req.n
+    _check_unsupported(req, n)
+    base_params = build_sampling_params(
+        req,
+        n=n,
+        logprobs=req.logprobs,
+        max_tokens=req.max_tokens,
+        max_num_seqs=state.max_num_seqs,
+        vocab_size=state.vocab_size,
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    arrival = time.monotonic()
+    engine = state.admit(ids)
+    try:
+        gens, prompt_texts = [], []
+        for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                text, token_ids = prompt, await engine.encode(prompt)
+            else:
+                if not all(0 <= t < state.vocab_size for t in prompt):
+                    raise bad_request(f"{where} holds token ids outside [0, {state.vocab_size})", "prompt")
+                token_ids = prompt
+                text = await engine.decode(prompt) if req.echo else None
+            if not token_ids:
+                raise bad_request(f"{where} is empty (0 tokens)", "prompt")
+            params = SamplingParams.from_dict(base_params.to_dict())
+            params.max_tokens = resolve_max_tokens(
+                len(token_ids), req.max_tokens, state.max_model_len, "prompt", "max_tokens"
+            )
+            try:
+                params.verify()
+            except ValueError as e:
+                raise from_value_error(e, SAMPLING_PARAM_NAMES) from None
+            gens.append(engine.generate(rid, text, token_ids, params, arrival, req.priority or 0))
+            prompt_texts.append(text if req.echo else "")
+    except BaseException:
+        engine.release(ids)
+        raise
+
+    texts = state.extra.setdefault("token_texts", TokenTexts(state.tokenizer))
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(state, request_id, gens, prompt_texts, base_params, texts, include_usage),
+            media_type="text/event-stream",
+            background=BackgroundTask(_cleanup, engine, ids, gens),
+        )
+    return await run_until_disconnect(raw, _full(state, request_id, gens, prompt_texts, base_params, texts))
+
+
+async def _cleanup(engine: Any, ids: list[str], gens: list[AsyncGenerator]) -> None:
+    for rid, gen in zip(ids, gens, strict=False):
+        await gen.aclose()
+        engine.abort(rid)
+    engine.release(ids)
+
+
+def _usage(finals: list[RequestOutput | None]) -> UsageInfo:
+    prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
+    completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _full(
+    state: ServerState,
+    request_id: str,
+    gens: list[AsyncGenerator],
+    prompt_texts: list[str],
+    params: SamplingParams,
+    texts: TokenTexts,
+) -> Response:
+    finals: list[RequestOutput | None] = [None] * len(gens)
+    try:
+        async for i, ro in merge_async_iterators(gens):
+            finals[i] = ro
+    except Exception as e:
+        raise engine_error(e) from None
+    choices = []
+    for p, final in enumerate(finals):
+        for c in final.outputs:
+            prefix = prompt_texts[p]
+            choices.append(CompletionResponseChoice(
+                index=p * params.n + c.index,
+                text=prefix + c.text,
+                logprobs=completion_logprobs(texts, c.token_ids, c.logprobs, len(prefix))
+                if params.logprobs is not None and c.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            ))  # fmt: skip
+    body = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(finals))
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _stream(
+    state: ServerState,
+    request_id: str,
+    gens: list[AsyncGenerator],
+    prompt_texts: list[str],
+    params: SamplingParams,
+    texts: TokenTexts,
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
+    created = int(time.time())
+    n = params.n
+    total = len(gens) * n
+    sent_text, sent_tokens = [""] * total, [0] * total
+    started, finished = [False] * total, [False] * total
+    finals: list[RequestOutput | None] = [None] * len(gens)
+    try:
+        async for p, ro in merge_async_iterators(gens):
+            finals[p] = ro
+            for c in ro.outputs:
+                i = p * n + c.index
+                if finished[i]:
+                    continue
+                prefix = "" if started[i] else prompt_texts[p]  # echo: the prompt leads the first chunk
+                started[i] = True
+                delta = c.text[len(sent_text[i]) :]
+                done = c.finish_reason is not None
+                new_lp = None
+                if (
+                    params.logprobs is not None
+                    and c.logprobs is not None
+                    and len(c.token_ids) > sent_tokens[i]
+                ):
+                    new_lp = completion_logprobs(
+                        texts,
+                        c.token_ids[sent_tokens[i] :],
+                        c.logprobs[sent_tokens[i] :],
+                        len(prompt_texts[p]) + len(sent_text[i]),
+                    )
+                if prefix or delta or new_lp is not None or done:
+                    yield sse(CompletionStreamResponse(
+                        id=request_id, created=created, model=state.model_name,
+                        choices=[CompletionResponseChoice(
+                            index=i, text=prefix + delta, logprobs=new_lp, finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason if done else None,
+                        )],
+                    ))  # fmt: skip
+                sent_text[i], sent_tokens[i], finished[i] = c.text, len(c.token_ids), done
+        if include_usage:
+            yield sse(CompletionStreamResponse(
+                id=request_id, created=created, model=state.model_name, choices=[], usage=_usage(finals)
+            ))  # fmt: skip
+    except Exception as e:
+        yield sse(engine_error(e).body())
+    yield SSE_DONE
