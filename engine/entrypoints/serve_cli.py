@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-access-log", action="store_true")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="GPUs per replica; the engine runs on one device, so only 1 is accepted today",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs")
     return p
 
 
@@ -174,6 +181,12 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
     args = parser.parse_args(argv)
     if args.num_kv_blocks is not None and args.kv_cache_memory is not None:
         parser.error("give --num-kv-blocks or --kv-cache-memory, not both (also via TOKENMILL_*)")
+    if args.tensor_parallel_size != 1:
+        # The operator sizes replicas that need several GPUs; say plainly that this engine cannot run them.
+        parser.error(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not implemented; this "
+            "engine runs a model on one device (pick a GPU type whose memory holds the weights)"
+        )
     if args.served_model_name is None:
         args.served_model_name = [args.model or DEFAULT_MODEL_NAME]
     return args
@@ -192,6 +205,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
 
 
