@@ -9,7 +9,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     block_size: int = 16
-    max_num_seqs: int = 64
+    # vLLM's default; on CPU a bf16 matmul runs ~2.5x more FLOP/s at 256 rows than at 64.
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
@@ -17,3 +18,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # CUDA only: skip CUDA graph capture of decode steps
+
+
+DEFAULTS = EngineConfig()  # the one place defaults live; the CLI and LLM() read them from here

@@ -4,7 +4,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import DEFAULTS, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
@@ -17,8 +17,8 @@ class LLM:
         model: str | None = None,
         dtype: str = "auto",
         block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = DEFAULTS.max_num_seqs,
+        max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,

@@ -24,7 +24,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 from tokenmill.engine.async_llm import AsyncLLM
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import DEFAULTS, EngineConfig
 from tokenmill.engine.core_client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.entrypoints.api_server import build_app
 from tokenmill.engine.entrypoints.metrics import ServerMetrics
@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="answer 429 when this many admitted requests wait to be scheduled; 0: no limit",
     )
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULTS.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULTS.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--block-size", type=_positive_int, default=16)
     kv = p.add_mutually_exclusive_group()
