@@ -1,0 +1,43 @@
+"""Roofline arithmetic by hand, and the model shape read from the bundled model's files."""
+
+import pytest
+import torch
+from tokenmill.engine.bench.roofline import copy_bandwidth, decode_step_cost, matmul_flops, roofline_fraction
+
+SHAPE = {"params": 1000, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+
+
+def test_decode_step_cost_by_hand():
+    flops, nbytes = decode_step_cost(SHAPE, batch=3, context=10, dtype="bfloat16")
+    # 2 FLOPs per weight per token, plus QK^T and PV: 4 * batch * context * heads * head_dim * layers
+    assert flops == 2 * 1000 * 3 + 4 * 3 * 10 * 4 * 8 * 2
+    # weights once (2 bytes each) + KV: K and V, 2 layers, 2 kv heads, 8 dims, 2 bytes, per cached token
+    assert nbytes == 1000 * 2 + 3 * 10 * (2 * 2 * 2 * 8 * 2)
+
+
+def test_roofline_fraction_by_hand():
+    # 1e9 FLOPs at 1e11 FLOP/s = 10 ms; 1e8 bytes at 1e10 B/s = 10 ms; 5e8 bytes would be 50 ms.
+    r = roofline_fraction(flops=1e9, nbytes=5e8, seconds=0.1, peak_flops=1e11, bandwidth=1e10)
+    assert r["bound_by"] == "memory"
+    assert r["roofline_ms"] == pytest.approx(50)
+    assert r["fraction_of_roofline"] == pytest.approx(0.5)
+    assert r["achieved_gflops"] == pytest.approx(10)
+    r = roofline_fraction(flops=4e9, nbytes=1e8, seconds=0.08, peak_flops=1e11, bandwidth=1e10)
+    assert r["bound_by"] == "compute" and r["fraction_of_roofline"] == pytest.approx(0.5)
+
+
+def test_machine_measurements_are_positive_and_sane():
+    torch.set_num_threads(1)
+    flops = matmul_flops(torch.float32, n=256, reps=2)
+    assert 1e8 < flops < 1e13
+    bw = copy_bandwidth(megabytes=32, reps=2)
+    assert 1e8 < bw < 1e12
+
+
+def test_model_shape_of_the_bundled_model():
+    from tokenmill.engine.bench.roofline import model_shape
+    from tokenmill.engine.model_loader import resolve_model
+
+    shape = model_shape(str(resolve_model(None)))
+    # SmolLM2-135M: the published parameter count and attention shape
+    assert shape == {"params": 134_515_008, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
