@@ -29,12 +29,41 @@ $(STAMP): pyproject.toml | $(UV)
 run: $(STAMP)
 	$(VENV)/bin/tokenmill serve
 
-test: $(STAMP)
+test: $(STAMP) e2e-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-clean:
+clean: cluster-down
 	rm -rf $(VENV) .e2e
+
+# ---- e2e: a real local control plane (see docs/e2e.md) ----
+# The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
+# later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
+.PHONY: e2e e2e-deps cluster-tools prometheus chart-crds
+e2e-deps: cluster-tools prometheus
+
+# Only the end-to-end suite (make test runs it too).
+e2e: $(STAMP) e2e-deps
+	$(VENV)/bin/python -m pytest e2e
+
+cluster-tools:
+	bash e2e/build_cluster_tools.sh >/dev/null
+
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  echo "installing Debian's prometheus (needed by the autoscaling e2e test)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+
+cluster-up: $(STAMP) cluster-tools
+	$(VENV)/bin/python e2e/cluster.py up
+
+cluster-down:
+	@if test -x $(VENV)/bin/python; then $(VENV)/bin/python e2e/cluster.py down; \
+	else python3 e2e/cluster.py down; fi
+
+# The chart ships the same CRD files as crds/ (e2e/test_chart.py checks they are identical).
+chart-crds:
+	cp crds/*.yaml charts/tokenmill-operator/crds/

