@@ -11,6 +11,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/tokenmill \
     XDG_CACHE_HOME=/home/tokenmill/.cache
 
+# g++ and ninja build the C++ CPU kernels (kernels/csrc) on first start, for the node's own CPU, into
+# $XDG_CACHE_HOME/torch_extensions (the pod's /cache); without them the engine uses the torch reference.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY engine engine

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.cuda_graphs import CUDAGraphRunner
+from tokenmill.engine.layers import can_prepack
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler
@@ -28,6 +29,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
+        if can_prepack(device, dtype) and hasattr(model, "prepack_linears"):
+            model.prepack_linears()
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # One allocation for the whole pool: [layers, K/V, blocks, block_size, kv_heads, head_dim].

@@ -1,22 +1,28 @@
-"""The public kernel entry points: validate, then dispatch to Triton (CUDA) or the torch reference.
+"""The public kernel entry points: validate, then dispatch to Triton (CUDA), the C++ CPU kernel or the
+torch reference.
 
 The Triton modules are imported on first use, not here: `@triton.jit` decides at import time
 whether to run through the interpreter (TRITON_INTERPRET=1), and CPU-only users never need Triton.
+On a CPU, "auto" takes the C++ kernel (kernels/csrc, built on first use, see kernels/cpu.py) and falls
+back to the torch reference when it cannot be built or TOKENMILL_CPU_KERNELS=0.
 """
 
 import os
 
 import torch
-from tokenmill.kernels import reference
+from tokenmill.kernels import cpu, reference
 from tokenmill.kernels.validate import check_decode_args, check_prefill_args, check_store_kv_args
 
-IMPLS = ("auto", "triton", "torch")
+IMPLS = ("auto", "triton", "cpu", "torch")
+# Query chunks up to this many rows go through the C++ kernel (one pass over the cache per row); longer
+# prompt chunks go to the reference, whose SDPA call turns them into matrix products.
+CPU_MAX_QUERY_LEN = 32
 
 
 def _use_triton(impl: str, device: torch.device) -> bool:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "torch":
+    if impl in ("torch", "cpu"):
         return False
     if impl == "auto":
         return device.type == "cuda"
@@ -25,6 +31,20 @@ def _use_triton(impl: str, device: torch.device) -> bool:
             f"impl='triton' on a {device.type} tensor needs TRITON_INTERPRET=1 (set before Triton is imported)"
         )
     return True
+
+
+def _cpu_ops(impl: str, device: torch.device) -> object | None:
+    """The C++ op namespace when this call should use it, else None (then: the torch reference)."""
+    if impl == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"impl='cpu' needs CPU tensors, got {device.type}")
+        ops = cpu.load()
+        if ops is None:
+            raise ValueError(f"impl='cpu': the C++ CPU kernels are unavailable ({cpu.unavailable_reason()})")
+        return ops
+    if impl == "auto" and device.type == "cpu":
+        return cpu.load()
+    return None
 
 
 def store_kv(
@@ -62,6 +82,12 @@ def paged_attention_decode(
         from tokenmill.kernels.triton_decode import paged_attention_decode_triton
 
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    ops = _cpu_ops(impl, q.device)
+    if ops is not None:
+        out = q.new_empty(q.shape)
+        qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+        ops.paged_attention_varlen(out, q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1)
+        return out
     return reference.paged_attention_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
@@ -84,6 +110,40 @@ def paged_attention_prefill(
         return paged_attention_prefill_triton(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
         )
+    ops = _cpu_ops(impl, q.device)
+    if ops is not None:
+        return _prefill_cpu(ops, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     return reference.paged_attention_prefill_torch(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
     )
+
+
+def _prefill_cpu(
+    ops: object,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Short chunks (decode rows, small prompts) in the C++ kernel; long ones through the reference."""
+    out = q.new_empty(q.shape)
+    ops.paged_attention_varlen(  # type: ignore[attr-defined]
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, CPU_MAX_QUERY_LEN
+    )
+    starts = query_start_loc.tolist()
+    long = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > CPU_MAX_QUERY_LEN]
+    if not long:
+        return out
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in long])
+    sub_starts = [0]
+    for i in long:
+        sub_starts.append(sub_starts[-1] + starts[i + 1] - starts[i])
+    idx = torch.tensor(long)
+    out[rows] = reference.paged_attention_prefill_torch(
+        q[rows], k_cache, v_cache, block_tables[idx], torch.tensor(sub_starts, dtype=torch.int32),
+        seq_lens[idx], scale,
+    )
+    return out

@@ -249,7 +249,7 @@ def test_store_kv_bad_input():
 
 def test_impl_choice_errors(monkeypatch):
     q, k_cache, v_cache, table, seq_lens = _decode_args()
-    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'triton', 'torch'\), got 'cuda'"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'triton', 'cpu', 'torch'\), got 'cuda'"):
         paged_attention_decode(q, k_cache, v_cache, table, seq_lens, 0.1, impl="cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"impl='triton' on a cpu tensor needs TRITON_INTERPRET=1"):

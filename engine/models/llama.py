@@ -8,7 +8,15 @@ sequences in a single [num_tokens] batch, attention through the paged KV cache.
 import torch
 import torch.nn.functional as F
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
-from tokenmill.engine.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from tokenmill.engine.layers import (
+    Linear,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    packed_linear,
+    prepack_weight,
+    silu_and_mul,
+)
 from tokenmill.engine.model_config import ModelConfig
 from torch import nn
 
@@ -23,8 +31,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = config.kv_size
         self.scale = self.head_dim**-0.5
         # One GEMM for q, k and v: rows [q | k | v], the loader writes each HF projection into its slice.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -33,8 +41,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -46,8 +53,13 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if not self.qk_norm and not rope.gathered:
+            # q and k heads sit side by side in each qkv row: one in-place call rotates both.
+            heads = self.num_heads + self.num_kv_heads
+            rope.apply(qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim))
+        else:
+            q = rope.apply(q)
+            k = rope.apply(k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -56,8 +68,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # One GEMM for gate and up: rows [gate | up].
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -75,8 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
+        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -108,10 +119,10 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        rope = self.rotary_emb.for_positions(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -124,7 +135,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         # Tied models reuse the embedding matrix as the output projection (no separate parameter).
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -137,5 +149,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (only the rows that need a next token) -> fp32 logits [N, vocab]."""
+        if self.lm_head_packed is not None:
+            return packed_linear(hidden, self.lm_head_packed).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def prepack_linears(self) -> None:
+        """Swap every projection (and the LM head, tied or not) to oneDNN-prepacked weights (bf16 CPU)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_packed = prepack_weight(weight)

@@ -1,0 +1,287 @@
+// Paged attention for CPUs: reads K/V blocks where they live in the cache (no gather copy), one pass
+// over K for the scores and one over V for the output, fp32 accumulation for every cache dtype.
+//
+// Why a C++ kernel: the torch reference gathers every sequence's blocks into a temporary, then SDPA
+// reads it again, and each layer of each step costs tens of small ops. On the 2-core machines this
+// project runs on, decode attention was the largest share of a step at batch 64 (see
+// docs/benchmarks.md). Built on first use by tokenmill.kernels.cpu (torch.utils.cpp_extension).
+//
+// Layout (the same as the Triton kernels and the torch reference): k_cache/v_cache
+// [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [num_seqs, max_blocks];
+// query_start_loc int32 [num_seqs + 1]; seq_lens int32 [num_seqs] (cached prefix + this chunk).
+// The query row i of a chunk of n rows sits at position seq_len - n + i and sees keys 0..position.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace {
+
+using tokenmill_cpu::to_float;
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int n) {
+  // 16 partial sums: a fixed-width inner loop the compiler turns into one vector FMA per step
+  // (a single running sum would have to stay scalar to keep IEEE order).
+  float acc[16] = {0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+template <typename T>
+void attend_rows(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
+                 const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t block_size,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t kv_head, int64_t group, int64_t first_row,
+                 int64_t num_rows, int64_t seq_len, float scale, std::vector<float>& scratch) {
+  // Portable path (any head_dim, any x86/ARM CPU); the AVX-512 path below is the fast one.
+  const int D = static_cast<int>(head_dim);
+  const int64_t token_stride = num_kv_heads * head_dim;  // one cache slot
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t row = first_row + r;
+    const int64_t n_keys = seq_len - num_rows + r + 1;  // causal: keys 0..position
+    // scratch: q rows [group, D] | k row [D] | accumulators [group, D] | scores [group, n_keys]
+    scratch.resize(static_cast<size_t>(group * D * 2 + D + group * n_keys));
+    float* qf = scratch.data();
+    float* kf = qf + group * D;
+    float* acc = kf + D;
+    float* scores = acc + group * D;
+    for (int64_t g = 0; g < group; ++g)
+      load_row(q + row * q_row_stride + (kv_head * group + g) * q_head_stride, qf + g * D, D);
+    for (int64_t t = 0; t < n_keys; ++t) {
+      const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
+      load_row(k_cache + slot * token_stride + kv_head * head_dim, kf, D);
+      for (int64_t g = 0; g < group; ++g) scores[g * n_keys + t] = dot(qf + g * D, kf, D) * scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * n_keys;
+      float m = -INFINITY;
+      for (int64_t t = 0; t < n_keys; ++t) m = std::max(m, s[t]);
+      float sum = 0;
+      for (int64_t t = 0; t < n_keys; ++t) {
+        s[t] = tokenmill_cpu::exp_poly(s[t] - m);
+        sum += s[t];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t t = 0; t < n_keys; ++t) s[t] *= inv;
+    }
+    std::fill(acc, acc + group * D, 0.0f);
+    for (int64_t t = 0; t < n_keys; ++t) {
+      const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
+      load_row(v_cache + slot * token_stride + kv_head * head_dim, kf, D);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * n_keys + t];
+        float* a = acc + g * D;
+        for (int d = 0; d < D; ++d) a[d] += p * kf[d];
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      T* o = out + row * out_row_stride + (kv_head * group + g) * head_dim;
+      for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+using tokenmill_cpu::exp16;
+using tokenmill_cpu::load16;
+
+constexpr int kMaxHeads = 64;
+
+// One sequence, every head: each cache slot (all KV heads of a token, contiguous) is read once, in
+// order, so the hardware prefetcher streams it. NV = head_dim / 16 vectors per row, a compile-time
+// constant so a K or V row stays in registers while every query head of its group uses it.
+template <typename T, int NV>
+void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
+                       const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t block_size,
+                       int64_t num_kv_heads, int64_t num_heads, int64_t first_row, int64_t num_rows,
+                       int64_t seq_len, float scale, std::vector<float>& scratch) {
+  constexpr int D = NV * 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t row = first_row + r;
+    const int64_t n_keys = seq_len - num_rows + r + 1;
+    const int64_t padded = (n_keys + 15) / 16 * 16;
+    scratch.resize(static_cast<size_t>(num_heads * padded));
+    float* scores = scratch.data();  // [num_heads, padded]
+    __m512 qv[kMaxHeads * NV];
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const T* qp = q + row * q_row_stride + h * q_head_stride;
+      for (int j = 0; j < NV; ++j) qv[h * NV + j] = _mm512_mul_ps(load16(qp + j * 16), _mm512_set1_ps(scale));
+    }
+    // Pass 1: scores = q . k for every key, block by block (no division per key).
+    int64_t t = 0;
+    for (int64_t b = 0; t < n_keys; ++b) {
+      const T* kb = k_cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
+      const int64_t stop = std::min(n_keys, t + block_size);
+      // Blocks sit anywhere in the pool: fetch the next one while this one is used.
+      const char* next = stop < n_keys ? reinterpret_cast<const char*>(
+          k_cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
+      for (; t < stop; ++t, kb += token_stride) {
+        if (next) {
+          for (int64_t off = 0; off < token_stride * static_cast<int64_t>(sizeof(T)); off += 64)
+            _mm_prefetch(next + off, _MM_HINT_T0);
+          next += token_stride * sizeof(T);
+        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          __m512 kv[NV];
+          for (int j = 0; j < NV; ++j) kv[j] = load16(kb + kvh * D + j * 16);
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            __m512 acc = _mm512_mul_ps(qv[h * NV], kv[0]);
+            for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[h * NV + j], kv[j], acc);
+            scores[h * padded + t] = _mm512_reduce_add_ps(acc);
+          }
+        }
+      }
+    }
+    // Softmax numerators in place; the 1/sum goes into the output.
+    float inv_sum[kMaxHeads];
+    const int64_t full = n_keys / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n_keys - full)) - 1u);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* s = scores + h * padded;
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      for (int64_t i = 0; i < full; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
+      if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + full));
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+      __m512 sv = _mm512_setzero_ps();
+      for (int64_t i = 0; i < full; i += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+        _mm512_storeu_ps(s + i, e);
+        sv = _mm512_add_ps(sv, e);
+      }
+      if (tail) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m));
+        _mm512_mask_storeu_ps(s + full, tail, e);
+        sv = _mm512_mask_add_ps(sv, tail, sv, e);
+      }
+      inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sv);
+    }
+    // Pass 2: out = sum_t p_t v_t, each V row loaded once for its whole group.
+    __m512 acc[kMaxHeads * NV];
+    for (int64_t i = 0; i < num_heads * NV; ++i) acc[i] = _mm512_setzero_ps();
+    t = 0;
+    for (int64_t b = 0; t < n_keys; ++b) {
+      const T* vb = v_cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
+      const int64_t stop = std::min(n_keys, t + block_size);
+      // Blocks sit anywhere in the pool: fetch the next one while this one is used.
+      const char* next = stop < n_keys ? reinterpret_cast<const char*>(
+          v_cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
+      for (; t < stop; ++t, vb += token_stride) {
+        if (next) {
+          for (int64_t off = 0; off < token_stride * static_cast<int64_t>(sizeof(T)); off += 64)
+            _mm_prefetch(next + off, _MM_HINT_T0);
+          next += token_stride * sizeof(T);
+        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          __m512 vv[NV];
+          for (int j = 0; j < NV; ++j) vv[j] = load16(vb + kvh * D + j * 16);
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const __m512 p = _mm512_set1_ps(scores[h * padded + t]);
+            for (int j = 0; j < NV; ++j) acc[h * NV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * NV + j]);
+          }
+        }
+      }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+      T* o = out + row * out_row_stride + h * D;
+      alignas(64) float tmp[D];
+      const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+      for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + j * 16, _mm512_mul_ps(acc[h * NV + j], inv));
+      for (int d = 0; d < D; ++d) o[d] = static_cast<T>(tmp[d]);
+    }
+  }
+}
+#endif
+
+// out [num_tokens, num_heads, head_dim] (contiguous) <- attention of q's rows; sequences whose chunk is
+// longer than max_query_len are skipped (the caller sends those to a matmul-based path).
+void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                            int64_t max_query_len) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention_varlen: CPU tensors only");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "out, k_cache and v_cache must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "block_tables, query_start_loc and seq_lens must be contiguous");
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    // One work item per sequence (threads split the batch; this engine usually runs one).
+    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t first = qsl[s];
+        const int64_t rows = qsl[s + 1] - first;
+        if (rows == 0 || rows > max_query_len) continue;
+        if (lens[s] == 0) {  // padding: zero output, as the reference gives
+          std::fill_n(op + first * num_heads * head_dim, rows * num_heads * head_dim, static_cast<scalar_t>(0));
+          continue;
+        }
+        const int32_t* table = tables + s * max_blocks;
+#if defined(__AVX512F__)
+        if (num_heads <= kMaxHeads && (head_dim == 64 || head_dim == 128)) {
+          if (head_dim == 64)
+            attend_seq_avx512<scalar_t, 4>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
+                                           block_size, num_kv_heads, num_heads, first, rows, lens[s], fscale,
+                                           scratch);
+          else
+            attend_seq_avx512<scalar_t, 8>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
+                                           block_size, num_kv_heads, num_heads, first, rows, lens[s], fscale,
+                                           scratch);
+          continue;
+        }
+#endif
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          attend_rows<scalar_t>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
+                                block_size, num_kv_heads, head_dim, h, group, first, rows, lens[s], fscale,
+                                scratch);
+      }
+    });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_attention_varlen: dtype must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def(
+      "paged_attention_varlen(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int max_query_len) -> ()");
+  m.impl("paged_attention_varlen", c10::DispatchKey::CPU, &paged_attention_varlen);
+}

@@ -1,0 +1,182 @@
+// Fused elementwise layers for CPUs: RMSNorm (with the residual add), neox rotary embedding in place,
+// SiLU-and-mul. Each replaces 3-8 torch ops per call; at batch 1 a decode step was mostly such small
+// ops (dispatch and allocation, not arithmetic), see docs/benchmarks.md.
+//
+// Rounding follows transformers' Llama code op by op: the residual sum, the normalised value, the
+// products of rotary and silu(gate) are each rounded to the model dtype where transformers rounds
+// them, and statistics stay in fp32. Built with -ffp-contract=off so fp32 products are not fused
+// into FMAs that transformers does not do.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+namespace {
+
+using tokenmill_cpu::exp_poly;
+using tokenmill_cpu::round_to;
+using tokenmill_cpu::to_float;
+
+template <typename F>
+void dispatch(const at::Tensor& t, const char* name, F&& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+template <typename T>
+void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      const float v = to_float(x[i + j]);
+      acc[j] += v * v;
+    }
+  float ss = 0;
+  for (; i < n; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  for (int j = 0; j < 16; ++j) ss += acc[j];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (i = 0; i < n; ++i) out[i] = static_cast<T>(round_to<T>(to_float(x[i]) * inv) * to_float(w[i]));
+}
+
+// out = weight * norm(x)
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] of x's dtype");
+  const int64_t n = x.size(1);
+  dispatch(x, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        norm_row<T>(xp + r * x.stride(0), wp, op + r * out.stride(0), n, static_cast<float>(eps));
+    });
+  });
+}
+
+// x += residual (rounded to the dtype: the new residual stream), then out = weight * norm(x).
+void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  check_rows(residual, "residual");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] of x's dtype");
+  const int64_t n = x.size(1);
+  dispatch(x, "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = x.data_ptr<T>();
+    const T* rp = residual.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        T* xr = xp + r * x.stride(0);
+        const T* rr = rp + r * residual.stride(0);
+        for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<T>(to_float(xr[i]) + to_float(rr[i]));
+        norm_row<T>(xr, wp, op + r * out.stride(0), n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// Neox (rotate-half) rotary embedding in place on x [tokens, heads, head_dim] (a view of the fused qkv
+// rows is fine: any token and head strides, contiguous last dim). cos/sin: [max_position, head_dim / 2].
+void rotary_neox(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] on CPU");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be int64 [tokens]");
+  const int64_t half = x.size(2) / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == half && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be contiguous [max_position, head_dim / 2] of x's dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table [0, ", max_pos, ")");
+  dispatch(x, "rotary_neox", [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = x.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const T* c = cp + pos[t] * half;
+        const T* s = sp + pos[t] * half;
+        for (int64_t h = 0; h < x.size(1); ++h) {
+          T* v = xp + t * x.stride(0) + h * x.stride(1);
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_float(v[i]);
+            const float x2 = to_float(v[i + half]);
+            const float ci = to_float(c[i]);
+            const float si = to_float(s[i]);
+            // transformers: x * cos + rotate_half(x) * sin, every product and sum rounded to T.
+            v[i] = static_cast<T>(round_to<T>(x1 * ci) + round_to<T>(-x2 * si));
+            v[i + half] = static_cast<T>(round_to<T>(x2 * ci) + round_to<T>(x1 * si));
+          }
+        }
+      }
+    });
+  });
+}
+
+// x = [gate | up] rows -> out = silu(gate) * up, silu rounded to the dtype first (as F.silu then mul).
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t d = x.size(1) / 2;
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == d, "out must be [rows, x.size(1) / 2]");
+  dispatch(x, "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const T* g = xp + r * x.stride(0);
+        const T* u = g + d;
+        T* o = op + r * out.stride(0);
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= d; i += 16) {
+          const __m512 gv = tokenmill_cpu::load16(g + i);
+          const __m512 e = tokenmill_cpu::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          const __m512 silu = tokenmill_cpu::round16(g, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+          tokenmill_cpu::store16(o + i, _mm512_mul_ps(silu, tokenmill_cpu::load16(u + i)));
+        }
+#endif
+        for (; i < d; ++i) {
+          const float gv = to_float(g[i]);
+          const float silu = round_to<T>(gv / (1.0f + exp_poly(-gv)));
+          o[i] = static_cast<T>(silu * to_float(u[i]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) x, Tensor residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_neox(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+}

@@ -1,0 +1,88 @@
+"""The C++ CPU kernel (kernels/csrc/cpu_attention.cpp) against the float64 oracle and the torch reference.
+
+The kernel is built on first use; these tests fail (not skip) when it cannot be built, because the
+engine's CPU speed depends on it.
+"""
+
+import math
+
+import pytest
+import torch
+from test_kernels_common import assert_close, decode_batch, naive_decode, naive_prefill, prefill_batch
+from tokenmill.kernels import cpu, ops, paged_attention_decode, paged_attention_prefill
+
+torch.set_num_threads(1)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def test_kernel_builds_here():
+    assert cpu.load() is not None, f"C++ CPU kernels failed to build: {cpu.unavailable_reason()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 1), (2, 3), (1, 8)])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: the portable (non-AVX-512) path
+def test_decode_matches_naive(dtype, block_size, num_kv_heads, group, head_dim):
+    bs = block_size
+    lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 0, 17]
+    q, k_cache, v_cache, table, seq_lens = decode_batch(lens, bs, num_kv_heads, group, head_dim, dtype, seed=5)
+    scale = 1 / math.sqrt(head_dim)
+    out = paged_attention_decode(q, k_cache, v_cache, table, seq_lens, scale, impl="cpu")
+    assert_close(out, naive_decode(q, k_cache, v_cache, table, seq_lens, scale), dtype)
+    assert torch.count_nonzero(out[5]) == 0  # a zero-length row (batch padding) gives zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 1), (1, 3), (1, 8)])
+def test_prefill_matches_naive(dtype, block_size, num_kv_heads, group):
+    bs = block_size
+    # Short chunks (the C++ kernel), chunks longer than CPU_MAX_QUERY_LEN (sent to the reference in the
+    # same call), chunks starting mid-block after a cached prefix, a decode row and an idle sequence.
+    long = ops.CPU_MAX_QUERY_LEN + 9
+    seq_lens = [1, bs - 1, bs + 1, long, bs + 7, long + 20, 2 * bs, 40]
+    query_lens = [1, bs - 1, bs + 1, long, 3, long, 1, 0]
+    q, k_cache, v_cache, table, qsl, lens = prefill_batch(seq_lens, query_lens, bs, num_kv_heads, group, 64, dtype)
+    scale = 0.125
+    out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, scale, impl="cpu")
+    assert_close(out, naive_prefill(q, k_cache, v_cache, table, qsl, lens, scale), dtype)
+
+
+def test_strided_query_from_fused_qkv():
+    """The engine passes q as a view of the fused qkv activation (row stride wider than heads x dim)."""
+    lens = [3, 40, 17]
+    _, k_cache, v_cache, table, seq_lens = decode_batch(lens, 16, 2, 3, 64, torch.bfloat16, seed=2)
+    qkv = torch.randn(3, 6 * 64 + 2 * 2 * 64).to(torch.bfloat16)
+    q = qkv[:, : 6 * 64].view(3, 6, 64)
+    assert not q.is_contiguous()
+    out = paged_attention_decode(q, k_cache, v_cache, table, seq_lens, 0.125, impl="cpu")
+    ref = paged_attention_decode(q.contiguous(), k_cache, v_cache, table, seq_lens, 0.125, impl="torch")
+    assert_close(out, ref.double(), torch.bfloat16)
+
+
+def test_long_context_agrees_with_reference():
+    """Hundreds of keys in shuffled blocks (the prefetch of the next block, the masked softmax tail)."""
+    lens = [511, 700, 1, 255]
+    q, k_cache, v_cache, table, seq_lens = decode_batch(lens, 16, 3, 3, 64, torch.float32, seed=9)
+    out = paged_attention_decode(q, k_cache, v_cache, table, seq_lens, 0.125, impl="cpu")
+    ref = paged_attention_decode(q, k_cache, v_cache, table, seq_lens, 0.125, impl="torch")
+    assert_close(out, ref.double(), torch.float32)
+
+
+def test_cpu_impl_unavailable_is_a_clear_error_and_auto_falls_back(monkeypatch):
+    q, k_cache, v_cache, table, seq_lens = decode_batch([5, 9], 16, 1, 2, 64, torch.float32)
+    expected = naive_decode(q, k_cache, v_cache, table, seq_lens, 0.125)
+    monkeypatch.setattr(cpu, "_state", {"error": "RuntimeError: no compiler"})
+    with pytest.raises(ValueError, match=r"impl='cpu': the C\+\+ CPU kernels are unavailable \(RuntimeError: no"):
+        paged_attention_decode(q, k_cache, v_cache, table, seq_lens, 0.125, impl="cpu")
+    out = paged_attention_decode(q, k_cache, v_cache, table, seq_lens, 0.125)  # auto -> torch reference
+    assert_close(out, expected, torch.float32)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(cpu, "_state", {})
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    assert cpu.load() is None
+    assert "ops" not in cpu._state

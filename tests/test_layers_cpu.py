@@ -1,0 +1,125 @@
+"""The fused C++ CPU layers (kernels/csrc/cpu_layers.cpp) and oneDNN-prepacked linears against the
+transformers formulas they replace, written out here in plain torch ops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import make_tiny_model
+from tokenmill.engine.layers import Linear, RMSNorm, RotaryEmbedding, can_prepack, silu_and_mul
+from tokenmill.engine.model_config import load_model_config
+from tokenmill.engine.model_loader import load_model
+from tokenmill.kernels import cpu
+
+torch.set_num_threads(1)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu.load()
+    assert loaded is not None, f"C++ CPU kernels failed to build: {cpu.unavailable_reason()}"
+    return loaded
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos = torch.cat((cos, cos), dim=-1)
+    sin = torch.cat((sin, sin), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units of the dtype's last place (relative to b)."""
+    eps = torch.finfo(a.dtype).eps
+    scale = b.float().abs().clamp_min(torch.finfo(a.dtype).tiny)
+    return int(((a.float() - b.float()).abs() / (scale * eps)).ceil().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add_match_transformers(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 576, generator=g) * 3).to(dtype)
+    residual = torch.randn(37, 576, generator=g).to(dtype)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+    expected_sum = x + residual
+    expected = hf_rms_norm(expected_sum, norm.weight, 1e-5)
+    out, new_residual = norm(x.clone(), residual)
+    assert torch.equal(new_residual, expected_sum)  # the residual stream is rounded exactly as transformers
+    # fp32 statistics summed in another order: one rounding step in the normalised value, which the
+    # weight multiply (rounded again) can turn into two in the result.
+    assert ulps_apart(out, expected) <= 2
+    assert ulps_apart(norm(expected_sum), expected) <= 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_fused_qkv_matches_transformers(ops, dtype):
+    g = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, tokens = 9, 3, 64, 11
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 1, 2, 3, 100, 101, 7, 511, 8, 9, 300])
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    cos, sin = rope.cos_sin(positions, dtype)
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(tokens, num_heads + num_kv_heads, head_dim)
+    expected = hf_rotary(qk, cos, sin)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
+    rope.for_positions(positions, dtype).apply(qk)
+    assert torch.equal(qk, expected)  # every product and sum rounded where transformers rounds it
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
+
+
+def test_rotary_position_outside_table_is_an_error(ops):
+    rope = RotaryEmbedding(64, 16, 10000.0, None)
+    x = torch.randn(2, 1, 64)
+    with pytest.raises(RuntimeError, match=r"position 16 outside the rotary table \[0, 16\)"):
+        rope.for_positions(torch.tensor([3, 16]), torch.float32).apply(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_transformers(ops, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(13, 2 * 1536 + 2 * 5, generator=g) * 4).to(dtype)  # a width that leaves a scalar tail
+    x[0, :8] = torch.tensor([-100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, -0.5]).to(dtype)
+    d = x.shape[1] // 2
+    expected = F.silu(x[:, :d]) * x[:, d:]
+    out = silu_and_mul(x)
+    if dtype == torch.float32:
+        assert ulps_apart(out, expected) <= 2  # a polynomial exp, ~1 ulp from torch's
+    else:
+        assert torch.equal(out, expected)  # silu rounded to the dtype, then the product
+
+
+def test_prepacked_linear_is_bit_identical():
+    if not can_prepack(torch.device("cpu"), torch.bfloat16):
+        pytest.fail("oneDNN is not available in this torch build")
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(576, 960, bias=True).to(torch.bfloat16)
+    for rows in (1, 3, 64, 300):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        plain = lin(x)
+        lin.prepack()
+        assert torch.equal(lin(x), plain)
+        lin.packed = None
+
+
+def test_prepacked_model_gives_the_same_logits(tmp_path, bundled_model_dir):
+    model_dir = make_tiny_model(tmp_path, "llama", tokenizer_dir=bundled_model_dir)
+    config = load_model_config(model_dir)
+    model = load_model(model_dir, config, torch.bfloat16, "cpu")
+    hidden = torch.randn(5, config.hidden_size).to(torch.bfloat16)
+    x = torch.randn(5, config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = (model.compute_logits(hidden), model.model.layers[0].mlp(x))
+        model.prepack_linears()
+        after = (model.compute_logits(hidden), model.model.layers[0].mlp(x))
+    assert model.model.layers[0].mlp.down_proj.packed is not None and model.lm_head_packed is not None
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
