@@ -22,6 +22,9 @@ class AttentionMetadata:
     decode_only: bool  # every sequence contributes exactly one query token
     max_query_len: int
     max_seq_len: int
+    # Set after the first layer validated the kernel arguments: every later layer of the step passes
+    # tensors of the same shapes, dtypes and devices, so the checks (a dozen small ops) run once per step.
+    validated: bool = False
 
 
 def paged_attention(
@@ -37,7 +40,13 @@ def paged_attention(
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
     """
-    store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    check = not md.validated
+    store_kv(k, v, k_cache, v_cache, md.slot_mapping, validate=check)
     if md.decode_only:
-        return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
-    return paged_attention_prefill(q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.seq_lens, scale)
+        out = paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, validate=check)
+    else:
+        out = paged_attention_prefill(
+            q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.seq_lens, scale, validate=check
+        )
+    md.validated = True
+    return out

@@ -20,9 +20,12 @@ def _cpu_ops(x: torch.Tensor) -> object | None:
     return cpu_kernels.load() if x.device.type == "cpu" else None
 
 # Batch size oneDNN lays the prepacked weights out for. Measured on the AMX CPU (bf16, 1 thread, a
-# [3072, 576] weight): a 256 hint ran every batch from 1 to 200 as fast as or faster than unpacked
-# F.linear (1.5x at 64 rows, 3x at 200), with bit-identical results; a hint of 1 gained nothing.
+# [3072, 576] weight): a 256 hint ran batches of 2 to 200 as fast as or faster than unpacked F.linear
+# (1.5x at 64 rows, 3x at 200), with bit-identical results; a hint of 1 gained nothing.
 PREPACK_BATCH_HINT = 256
+# ...but a single row is faster unpacked: streaming all of SmolLM2's weights (cold, as in a decode
+# step) took 37 ms through F.linear and 51 ms through the packed copies (same machine, interleaved runs).
+PREPACK_MIN_ROWS = 2
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -52,7 +55,7 @@ class Linear(nn.Linear):
         self.packed = prepack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] >= PREPACK_MIN_ROWS:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 

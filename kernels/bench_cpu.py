@@ -8,6 +8,7 @@ intermediate 1536), block size 16, shuffled block tables. For each batch it prin
 - dense: torch SDPA over K/V already contiguous per sequence ([seqs, kv_heads, max_len, head_dim],
   padding masked), i.e. an unpaged cache such as transformers' DynamicCache;
 - loop: the obvious paged version, one sequence at a time (gather, matmul, softmax, matmul);
+- cpp: the C++ CPU kernel (impl="cpu", the engine's CPU path), and the GB/s of K/V it read;
 - linear: the layer's projections and MLP for the same batch (x @ W for q/k/v, o, gate/up, down),
   to show what share of the layer the attention is.
 Then the same for prefill steps. Timings are the minimum over repeats; ratios compare like with like
@@ -108,13 +109,20 @@ def bench_decode(
         repeats,
     )
     loop = _ms(lambda: _loop_decode(q, k_cache, v_cache, table, seq_lens), max(1, repeats // 2))
+    cpp = _ms(lambda: paged_attention_decode(q, k_cache, v_cache, table, lens, SCALE, impl="cpu"), repeats)
     linear = _ms(_linear_fn(batch, dtype, gen), repeats)
     ctx = f"{min(seq_lens)}-{max(seq_lens)}" if min(seq_lens) != max(seq_lens) else str(seq_lens[0])
     print(
         f"decode  {str(dtype)[6:]:8} seqs={batch:3d} ctx={ctx:>9}: paged {paged:7.2f} ms | dense {dense:7.2f} ms "
         f"(paged/dense {paged / dense:4.2f}) | loop {loop:7.2f} ms (loop/paged {loop / paged:5.1f}) | "
+        f"cpp {cpp:7.2f} ms (paged/cpp {paged / cpp:5.1f}, {_kv_gb(seq_lens, dtype) / cpp * 1e3:4.1f} GB/s) | "
         f"linear {linear:6.2f} ms -> attention share of layer {paged / (paged + linear):4.0%}"
     )
+
+
+def _kv_gb(seq_lens: list[int], dtype: torch.dtype) -> float:
+    """GB of K and V one layer reads for these contexts."""
+    return sum(seq_lens) * 2 * KV_HEADS * HEAD_DIM * torch.tensor([], dtype=dtype).element_size() / 1e9
 
 
 def bench_prefill(
@@ -144,11 +152,12 @@ def bench_prefill(
         lambda: paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, SCALE, impl="torch"), repeats
     )
     dense_ms = _ms(dense, repeats)
+    cpp = _ms(lambda: paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, SCALE, impl="cpu"), repeats)
     linear = _ms(_linear_fn(sum(query_lens), dtype, gen), repeats)
     print(
         f"prefill {str(dtype)[6:]:8} {name:34}: paged {paged:7.2f} ms | dense {dense_ms:7.2f} ms "
-        f"(paged/dense {paged / dense_ms:4.2f}) | linear {linear:6.2f} ms -> attention share of layer "
-        f"{paged / (paged + linear):4.0%}"
+        f"(paged/dense {paged / dense_ms:4.2f}) | cpp {cpp:7.2f} ms (paged/cpp {paged / cpp:5.1f}) | "
+        f"linear {linear:6.2f} ms -> attention share of layer {paged / (paged + linear):4.0%}"
     )
 
 
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill_cases = [
         ("1 prompt x 2048 fresh", [2048], [2048]),
         ("16 prompts x 128 fresh", [128] * 16, [128] * 16),
+        ("64 decodes + 64 x 24-token prompts", [300] * 64 + [24] * 64, [1] * 64 + [24] * 64),
         ("255 decodes + 512-token chunk at 512", mixed_lens, [1] * 255 + [512]),
     ]
     for dtype in dtypes:

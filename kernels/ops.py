@@ -55,9 +55,15 @@ def store_kv(
     slot_mapping: torch.Tensor,
     *,
     impl: str = "auto",
+    validate: bool = True,
 ) -> None:
-    """Write K/V rows [num_tokens, num_kv_heads, head_dim] into cache slots (slot -1 skips the row)."""
-    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
+    """Write K/V rows [num_tokens, num_kv_heads, head_dim] into cache slots (slot -1 skips the row).
+
+    validate=False skips the argument checks: for a caller that checked the same step's metadata once
+    already (the engine calls this for every layer with tensors of the same shapes).
+    """
+    if validate:
+        check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
     if _use_triton(impl, k_cache.device):
         from tokenmill.kernels.triton_store_kv import store_kv_triton
 
@@ -75,9 +81,11 @@ def paged_attention_decode(
     scale: float,
     *,
     impl: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """One query token per sequence: q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]."""
-    check_decode_args(q, k_cache, v_cache, block_tables, seq_lens)
+    if validate:
+        check_decode_args(q, k_cache, v_cache, block_tables, seq_lens)
     if _use_triton(impl, q.device):
         from tokenmill.kernels.triton_decode import paged_attention_decode_triton
 
@@ -85,8 +93,7 @@ def paged_attention_decode(
     ops = _cpu_ops(impl, q.device)
     if ops is not None:
         out = q.new_empty(q.shape)
-        qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-        ops.paged_attention_varlen(out, q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1)
+        ops.paged_attention_varlen(out, q, k_cache, v_cache, block_tables, _arange(q.shape[0] + 1), seq_lens, scale, 1)
         return out
     return reference.paged_attention_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
@@ -101,9 +108,11 @@ def paged_attention_prefill(
     scale: float,
     *,
     impl: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks over each sequence's cached prefix and itself."""
-    check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    if validate:
+        check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     if _use_triton(impl, q.device):
         from tokenmill.kernels.triton_prefill import paged_attention_prefill_triton
 
@@ -116,6 +125,17 @@ def paged_attention_prefill(
     return reference.paged_attention_prefill_torch(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
     )
+
+
+_ARANGES: dict[int, torch.Tensor] = {}
+
+
+def _arange(n: int) -> torch.Tensor:
+    """int32 0..n-1 (decode's query_start_loc), kept: the engine asks for the same few sizes every layer."""
+    t = _ARANGES.get(n)
+    if t is None:
+        t = _ARANGES[n] = torch.arange(n, dtype=torch.int32)
+    return t
 
 
 def _prefill_cpu(

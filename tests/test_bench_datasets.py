@@ -29,6 +29,19 @@ def test_seed_sim_output_lengths_are_the_seeds_draws():
     assert all(8 <= r.prompt_len <= 32 for r in reqs)
 
 
+def test_seed_sim_n_continues_the_seeds_stream():
+    random.seed(7)
+    expected = [min(1000, int(random.lognormvariate(4.6, 0.8))) for _ in range(1000)]
+    reqs = load_requests("seed-sim:1000")
+    assert [r.max_tokens for r in reqs] == expected
+    base = load_requests("seed-sim")
+    assert [r.prompt_token_ids for r in reqs[:200]] == [r.prompt_token_ids for r in base]
+    assert all(8 <= r.prompt_len <= 32 for r in reqs)
+    for bad in ("seed-sim:", "seed-sim:0", "seed-sim:ten"):
+        with pytest.raises(ValueError, match="seed-sim:N needs a request count N >= 1"):
+            load_requests(bad)
+
+
 def test_seed_sim_reproduces_the_seeds_step_counts():
     # The anchors: one at a time 25,505 steps, static batches of 8 8,020, continuous 3,319.
     lens = [r.max_tokens for r in seed_sim_requests()]

@@ -86,3 +86,26 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
     assert cpu.load() is None
     assert "ops" not in cpu._state
+
+
+def test_engine_attention_checks_the_first_layer_of_a_step():
+    """The engine validates a step's metadata once (first layer), then skips the checks."""
+    from tokenmill.engine.attention import AttentionMetadata, paged_attention
+
+    q, k_cache, v_cache, table, seq_lens = decode_batch([5, 9], 16, 1, 2, 64, torch.float32)
+    k = torch.randn(2, 1, 64)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor([4, 8 + 16]),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 99], dtype=torch.int32),  # more than the 2-block table row holds
+        block_tables=table,
+        decode_only=True,
+        max_query_len=1,
+        max_seq_len=99,
+    )
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]=99 exceeds what block_tables can hold"):
+        paged_attention(q, k, k, k_cache, v_cache, md, 0.125)
+    assert not md.validated
+    md.seq_lens = seq_lens
+    out = paged_attention(q, k, k, k_cache, v_cache, md, 0.125)
+    assert md.validated and out.shape == q.shape

@@ -28,7 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", required=True, help="FILE.jsonl, random:N:IN:OUT or seed-sim")
+    p.add_argument("--dataset", required=True, help="FILE.jsonl, random:N:IN:OUT, seed-sim or seed-sim:N")
     p.add_argument("--seed", type=int, default=0, help="seed for random:N:IN:OUT and arrivals")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results here")
 

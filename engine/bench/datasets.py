@@ -1,4 +1,4 @@
-"""Benchmark workloads: JSONL files and the built-in generators (random:N:IN:OUT, seed-sim).
+"""Benchmark workloads: JSONL files and the built-in generators (random:N:IN:OUT, seed-sim[:N]).
 
 Every request carries its exact output length; the benchmarks force it (ignore_eos) so that all
 systems compared do the same work.
@@ -42,30 +42,42 @@ class BenchRequest:
 
 
 def load_requests(spec: str, seed: int = 0) -> list[BenchRequest]:
-    """A dataset spec: `random:N:IN:OUT`, `seed-sim`, or a path to a JSONL file."""
+    """A dataset spec: `random:N:IN:OUT`, `seed-sim`, `seed-sim:N`, or a path to a JSONL file."""
     if spec == "seed-sim":
         return seed_sim_requests()
+    if spec.startswith("seed-sim:"):
+        return seed_sim_requests(_parse_count(spec))
     if spec.startswith("random:"):
         return random_requests(*_parse_random_spec(spec), seed=seed)
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"dataset {spec!r} is not a file, 'seed-sim' or 'random:N:IN:OUT'")
+        raise ValueError(f"dataset {spec!r} is not a file, 'seed-sim[:N]' or 'random:N:IN:OUT'")
     return parse_jsonl(path.read_text(), source=str(path))
 
 
-def seed_sim_output_lens() -> list[int]:
+def _parse_count(spec: str) -> int:
+    text = spec.split(":", 1)[1]
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"dataset {spec!r}: seed-sim:N needs a request count N >= 1, got {text!r}")
+    return int(text)
+
+
+def seed_sim_output_lens(num: int = SEED_SIM_NUM_REQUESTS) -> list[int]:
+    """The seeds' output lengths; num > 200 continues the same stream (the first 200 are the seeds')."""
     rng = random.Random(SEED_SIM_SEED)  # same stream as random.seed(7) + random.lognormvariate
     return [
         min(SEED_SIM_MAX_TOKENS, int(rng.lognormvariate(SEED_SIM_MU, SEED_SIM_SIGMA)))
-        for _ in range(SEED_SIM_NUM_REQUESTS)
+        for _ in range(num)
     ]
 
 
-def seed_sim_requests() -> list[BenchRequest]:
+def seed_sim_requests(num: int = SEED_SIM_NUM_REQUESTS) -> list[BenchRequest]:
+    """seed-sim (num = 200), or a longer stream of the same shape: a server's steady state, where the
+    200-request run ends in a tail of a few long requests."""
     prompt_rng = random.Random(SEED_SIM_PROMPT_SEED)
     lo, hi = SEED_SIM_PROMPT_LEN
     requests = []
-    for out_len in seed_sim_output_lens():
+    for out_len in seed_sim_output_lens(num):
         ids = [prompt_rng.randint(1000, RANDOM_MAX_TOKEN_ID) for _ in range(prompt_rng.randint(lo, hi))]
         requests.append(BenchRequest(max_tokens=out_len, prompt_token_ids=ids))
     return requests

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.layers import (
+    PREPACK_MIN_ROWS,
     Linear,
     RMSNorm,
     Rope,
@@ -149,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (only the rows that need a next token) -> fp32 logits [N, vocab]."""
-        if self.lm_head_packed is not None:
+        if self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
             return packed_linear(hidden, self.lm_head_packed).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
