@@ -10,6 +10,7 @@ fall back to the torch reference; TOKENMILL_CPU_KERNELS=0 turns the kernels off 
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -57,6 +58,12 @@ def load() -> object | None:
             return _state.get("ops")
         try:
             from torch.utils.cpp_extension import load as load_extension
+
+            # The `ninja` wheel (an engine dependency) installs next to this interpreter, which is not on
+            # PATH when the venv is not activated; torch looks ninja up on PATH.
+            bin_dir = os.path.dirname(sys.executable)
+            if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
             load_extension(
                 name=_build_name(),
