@@ -100,6 +100,28 @@ using tokenmill_cpu::load16;
 
 constexpr int kMaxHeads = 64;
 
+// Calls fn(t, slot) for the cache slots of tokens 0..n_keys-1 in order, block by block (no division per
+// token). Blocks sit anywhere in the pool, so the next block is prefetched while this one is used.
+template <typename T, typename Fn>
+inline void for_each_slot(const T* cache, const int32_t* block_table, int64_t block_size, int64_t token_stride,
+                          int64_t n_keys, Fn&& fn) {
+  const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  int64_t t = 0;
+  for (int64_t b = 0; t < n_keys; ++b) {
+    const T* slot = cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
+    const int64_t stop = std::min(n_keys, t + block_size);
+    const char* next = stop < n_keys ? reinterpret_cast<const char*>(
+        cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
+    for (; t < stop; ++t, slot += token_stride) {
+      if (next) {
+        for (int64_t off = 0; off < slot_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        next += slot_bytes;
+      }
+      fn(t, slot);
+    }
+  }
+}
+
 // One sequence, every head: each cache slot (all KV heads of a token, contiguous) is read once, in
 // order, so the hardware prefetcher streams it. NV = head_dim / 16 vectors per row, a compile-time
 // constant so a K or V row stays in registers while every query head of its group uses it.
@@ -122,31 +144,18 @@ void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, 
       const T* qp = q + row * q_row_stride + h * q_head_stride;
       for (int j = 0; j < NV; ++j) qv[h * NV + j] = _mm512_mul_ps(load16(qp + j * 16), _mm512_set1_ps(scale));
     }
-    // Pass 1: scores = q . k for every key, block by block (no division per key).
-    int64_t t = 0;
-    for (int64_t b = 0; t < n_keys; ++b) {
-      const T* kb = k_cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
-      const int64_t stop = std::min(n_keys, t + block_size);
-      // Blocks sit anywhere in the pool: fetch the next one while this one is used.
-      const char* next = stop < n_keys ? reinterpret_cast<const char*>(
-          k_cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
-      for (; t < stop; ++t, kb += token_stride) {
-        if (next) {
-          for (int64_t off = 0; off < token_stride * static_cast<int64_t>(sizeof(T)); off += 64)
-            _mm_prefetch(next + off, _MM_HINT_T0);
-          next += token_stride * sizeof(T);
-        }
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          __m512 kv[NV];
-          for (int j = 0; j < NV; ++j) kv[j] = load16(kb + kvh * D + j * 16);
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-            __m512 acc = _mm512_mul_ps(qv[h * NV], kv[0]);
-            for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[h * NV + j], kv[j], acc);
-            scores[h * padded + t] = _mm512_reduce_add_ps(acc);
-          }
+    // Pass 1: scores = q . k for every key.
+    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* kb) {
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        __m512 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = load16(kb + kvh * D + j * 16);
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+          __m512 acc = _mm512_mul_ps(qv[h * NV], kv[0]);
+          for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[h * NV + j], kv[j], acc);
+          scores[h * padded + t] = _mm512_reduce_add_ps(acc);
         }
       }
-    }
+    });
     // Softmax numerators in place; the 1/sum goes into the output.
     float inv_sum[kMaxHeads];
     const int64_t full = n_keys / 16 * 16;
@@ -173,29 +182,16 @@ void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, 
     // Pass 2: out = sum_t p_t v_t, each V row loaded once for its whole group.
     __m512 acc[kMaxHeads * NV];
     for (int64_t i = 0; i < num_heads * NV; ++i) acc[i] = _mm512_setzero_ps();
-    t = 0;
-    for (int64_t b = 0; t < n_keys; ++b) {
-      const T* vb = v_cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
-      const int64_t stop = std::min(n_keys, t + block_size);
-      // Blocks sit anywhere in the pool: fetch the next one while this one is used.
-      const char* next = stop < n_keys ? reinterpret_cast<const char*>(
-          v_cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
-      for (; t < stop; ++t, vb += token_stride) {
-        if (next) {
-          for (int64_t off = 0; off < token_stride * static_cast<int64_t>(sizeof(T)); off += 64)
-            _mm_prefetch(next + off, _MM_HINT_T0);
-          next += token_stride * sizeof(T);
-        }
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          __m512 vv[NV];
-          for (int j = 0; j < NV; ++j) vv[j] = load16(vb + kvh * D + j * 16);
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-            const __m512 p = _mm512_set1_ps(scores[h * padded + t]);
-            for (int j = 0; j < NV; ++j) acc[h * NV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * NV + j]);
-          }
+    for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* vb) {
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = load16(vb + kvh * D + j * 16);
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+          const __m512 p = _mm512_set1_ps(scores[h * padded + t]);
+          for (int j = 0; j < NV; ++j) acc[h * NV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * NV + j]);
         }
       }
-    }
+    });
     for (int64_t h = 0; h < num_heads; ++h) {
       T* o = out + row * out_row_stride + h * D;
       alignas(64) float tmp[D];

@@ -34,6 +34,13 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
+void check_norm_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] of x's dtype");
+}
+
 template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   float acc[16] = {0};
@@ -52,10 +59,7 @@ void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
 
 // out = weight * norm(x)
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(out, "out");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [hidden] of x's dtype");
+  check_norm_args(out, x, weight);
   const int64_t n = x.size(1);
   dispatch(x, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
@@ -71,11 +75,8 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
 
 // x += residual (rounded to the dtype: the new residual stream), then out = weight * norm(x).
 void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(out, "out");
+  check_norm_args(out, x, weight);
   check_rows(residual, "residual");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [hidden] of x's dtype");
   const int64_t n = x.size(1);
   dispatch(x, "add_rms_norm", [&](auto tag) {
     using T = decltype(tag);
