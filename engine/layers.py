@@ -19,6 +19,7 @@ def _cpu_ops(x: torch.Tensor) -> object | None:
     """The fused C++ CPU ops (kernels/csrc/cpu_layers.cpp) for a CPU tensor, when they built."""
     return cpu_kernels.load() if x.device.type == "cpu" else None
 
+
 # Batch size oneDNN lays the prepacked weights out for. Measured on the AMX CPU (bf16, 1 thread, a
 # [3072, 576] weight): a 256 hint ran batches of 2 to 200 as fast as or faster than unpacked F.linear
 # (1.5x at 64 rows, 3x at 200), with bit-identical results; a hint of 1 gained nothing.

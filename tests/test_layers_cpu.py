@@ -122,4 +122,5 @@ def test_prepacked_model_gives_the_same_logits(tmp_path, bundled_model_dir):
         model.prepack_linears()
         after = (model.compute_logits(hidden), model.model.layers[0].mlp(x))
     assert model.model.layers[0].mlp.down_proj.packed is not None and model.lm_head_packed is not None
+    assert model.lm_head is not None and model.lm_head.packed is None  # one packed copy of the LM head
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])

@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_linears(self) -> None:
         """Swap every projection (and the LM head, tied or not) to oneDNN-prepacked weights (bf16 CPU)."""
-        for module in self.modules():
+        for module in self.model.modules():  # the decoder; the LM head is packed once, below
             if isinstance(module, Linear):
                 module.prepack()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
