@@ -41,6 +41,28 @@ inline float dot(const float* __restrict a, const float* __restrict b, int n) {
   return s;
 }
 
+// Calls fn(t, slot) for the cache slots of tokens 0..n_keys-1 in order, block by block (no division per
+// token). Blocks sit anywhere in the pool, so the next block is prefetched while this one is used.
+template <typename T, typename Fn>
+inline void for_each_slot(const T* cache, const int32_t* block_table, int64_t block_size, int64_t token_stride,
+                          int64_t n_keys, Fn&& fn) {
+  const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  int64_t t = 0;
+  for (int64_t b = 0; t < n_keys; ++b) {
+    const T* slot = cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
+    const int64_t stop = std::min(n_keys, t + block_size);
+    const char* next = stop < n_keys ? reinterpret_cast<const char*>(
+        cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
+    for (; t < stop; ++t, slot += token_stride) {
+      if (next) {
+        for (int64_t off = 0; off < slot_bytes; off += 64) __builtin_prefetch(next + off);
+        next += slot_bytes;
+      }
+      fn(t, slot);
+    }
+  }
+}
+
 template <typename T>
 void attend_rows(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
                  const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t block_size,
@@ -60,11 +82,10 @@ void attend_rows(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out
     float* scores = acc + group * D;
     for (int64_t g = 0; g < group; ++g)
       load_row(q + row * q_row_stride + (kv_head * group + g) * q_head_stride, qf + g * D, D);
-    for (int64_t t = 0; t < n_keys; ++t) {
-      const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
-      load_row(k_cache + slot * token_stride + kv_head * head_dim, kf, D);
+    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* slot) {
+      load_row(slot + kv_head * head_dim, kf, D);
       for (int64_t g = 0; g < group; ++g) scores[g * n_keys + t] = dot(qf + g * D, kf, D) * scale;
-    }
+    });
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * n_keys;
       float m = -INFINITY;
@@ -78,15 +99,14 @@ void attend_rows(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out
       for (int64_t t = 0; t < n_keys; ++t) s[t] *= inv;
     }
     std::fill(acc, acc + group * D, 0.0f);
-    for (int64_t t = 0; t < n_keys; ++t) {
-      const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
-      load_row(v_cache + slot * token_stride + kv_head * head_dim, kf, D);
+    for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* slot) {
+      load_row(slot + kv_head * head_dim, kf, D);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * n_keys + t];
         float* a = acc + g * D;
         for (int d = 0; d < D; ++d) a[d] += p * kf[d];
       }
-    }
+    });
     for (int64_t g = 0; g < group; ++g) {
       T* o = out + row * out_row_stride + (kv_head * group + g) * head_dim;
       for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d]);
@@ -100,27 +120,6 @@ using tokenmill_cpu::load16;
 
 constexpr int kMaxHeads = 64;
 
-// Calls fn(t, slot) for the cache slots of tokens 0..n_keys-1 in order, block by block (no division per
-// token). Blocks sit anywhere in the pool, so the next block is prefetched while this one is used.
-template <typename T, typename Fn>
-inline void for_each_slot(const T* cache, const int32_t* block_table, int64_t block_size, int64_t token_stride,
-                          int64_t n_keys, Fn&& fn) {
-  const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(T));
-  int64_t t = 0;
-  for (int64_t b = 0; t < n_keys; ++b) {
-    const T* slot = cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
-    const int64_t stop = std::min(n_keys, t + block_size);
-    const char* next = stop < n_keys ? reinterpret_cast<const char*>(
-        cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
-    for (; t < stop; ++t, slot += token_stride) {
-      if (next) {
-        for (int64_t off = 0; off < slot_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-        next += slot_bytes;
-      }
-      fn(t, slot);
-    }
-  }
-}
 
 // One sequence, every head: each cache slot (all KV heads of a token, contiguous) is read once, in
 // order, so the hardware prefetcher streams it. NV = head_dim / 16 vectors per row, a compile-time
