@@ -226,7 +226,7 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
 
-  auto run = [&](auto tag) {
+  tokenmill_cpu::dispatch(q, "paged_attention_varlen", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
@@ -263,13 +263,7 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
                                 scratch);
       }
     });
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "paged_attention_varlen: dtype must be float32, bfloat16 or float16");
-  }
+  });
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // them vectorize.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -15,6 +16,17 @@
 #include <cstring>
 
 namespace tokenmill_cpu {
+
+// Calls fn(T{}) with T the C++ type of t's dtype: float, c10::BFloat16 or c10::Half.
+template <typename F>
+inline void dispatch(const at::Tensor& t, const char* name, F&& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {

@@ -15,19 +15,10 @@
 
 namespace {
 
+using tokenmill_cpu::dispatch;
 using tokenmill_cpu::exp_poly;
 using tokenmill_cpu::round_to;
 using tokenmill_cpu::to_float;
-
-template <typename F>
-void dispatch(const at::Tensor& t, const char* name, F&& fn) {
-  switch (t.scalar_type()) {
-    case at::kFloat: fn(float{}); break;
-    case at::kBFloat16: fn(c10::BFloat16{}); break;
-    case at::kHalf: fn(c10::Half{}); break;
-    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
