@@ -6,7 +6,7 @@ the operator image, which has no torch.
 
 from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from tokenmill.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from tokenmill.engine.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name == "RequestOutput":
         from tokenmill.engine.outputs import RequestOutput
 

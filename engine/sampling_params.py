@@ -5,6 +5,66 @@ from typing import Any
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's name and fields). Exactly one of json, json_object, regex, choice and
+    grammar is set; compiled with xgrammar by engine/structured_output.py."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema (dict or its JSON text)
+    json_object: bool | None = None  # any JSON object (response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF/GBNF as xgrammar accepts, root rule `root`
+    # JSON schema only: with strict (xgrammar's strict_mode) no properties or array items beyond those
+    # the schema names; without it `additionalProperties`/`items` defaults are JSON Schema's (allowed).
+    strict: bool = True
+    # JSON only: no whitespace between tokens (vLLM's flag); default allows any whitespace.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError unless exactly one constraint is set and has the right shape."""
+        set_fields = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        _check(
+            len(set_fields) == 1,
+            "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; got "
+            + (", ".join(set_fields) if set_fields else "none"),
+        )
+        _check(
+            self.json is None or isinstance(self.json, dict | str),
+            f"structured_outputs.json must be a JSON schema object or string, got {type(self.json).__name__}",
+        )
+        _check(
+            self.json_object in (None, True, False),
+            f"structured_outputs.json_object must be a boolean, got {self.json_object!r}",
+        )
+        _check(
+            self.regex is None or (isinstance(self.regex, str) and self.regex != ""),
+            "structured_outputs.regex must be a non-empty string",
+        )
+        _check(
+            self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+            "structured_outputs.grammar must be a non-empty string",
+        )
+        if self.choice is not None:
+            _check(len(self.choice) > 0, "structured_outputs.choice must list at least one string")
+            _check(
+                all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice must contain only non-empty strings",
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 means greedy
@@ -24,8 +84,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled token's)
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # from_dict / msgpack across the core boundary
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
