@@ -1,4 +1,5 @@
-"""The Argo CD health Lua, run by a real Lua 5.1 interpreter (Argo CD embeds gopher-lua, a Lua 5.1)."""
+"""The Argo CD health Lua, run by two real Lua 5.1 interpreters: lupa (PUC Lua 5.1) and gopher-lua v1.1.2,
+the Go Lua VM Argo CD embeds (e2e/tools/luahealth, driven the way Argo CD drives it)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from gitops_tools import lua_health
 from lupa import lua51
 
 ARGOCD = Path(__file__).resolve().parent.parent / "charts" / "argocd"
-LUA = (ARGOCD / "inferenceservice-health.lua").read_text()
+LUA_FILE = ARGOCD / "inferenceservice-health.lua"
+LUA = LUA_FILE.read_text()
 HEALTH_KEY = "resource.customizations.health.serving.tokenmill.dev_InferenceService"
 
 
@@ -122,3 +125,30 @@ def test_argocd_cm_snippet_embeds_the_same_lua() -> None:
     assert embedded.strip() == LUA.strip()
     # And the embedded copy behaves the same (it is what Argo CD actually runs).
     assert health(CASES["stalled"][0], embedded)[0] == "Degraded"
+
+
+def test_gopher_lua_agrees_on_every_fixture() -> None:
+    """What Argo CD would show: gopher-lua's verdict for each fixture is the expected one, and its message
+    is the same text lupa produces (one process for all fixtures)."""
+    names = list(CASES)
+    results = lua_health(LUA_FILE, [CASES[n][0] for n in names])
+    for name, got in zip(names, results, strict=True):
+        assert "error" not in got, f"{name}: {got['error']}"
+        assert got["status"] == CASES[name][1], f"{name}: gopher-lua says {got}"
+        assert got["message"] == health(CASES[name][0])[1], name
+
+
+def test_gopher_lua_runs_the_argocd_cm_snippet(tmp_path: Path) -> None:
+    embedded = yaml.safe_load((ARGOCD / "argocd-cm-patch.yaml").read_text())["data"][HEALTH_KEY]
+    script = tmp_path / "embedded.lua"
+    script.write_text(embedded)
+    got = lua_health(script, [CASES["stalled"][0], CASES["ready for the current generation"][0]])
+    assert [g["status"] for g in got] == ["Degraded", "Healthy"], got
+
+
+def test_gopher_lua_reports_a_script_error(tmp_path: Path) -> None:
+    """The harness can fail: a script that indexes nil is an error, not a verdict."""
+    script = tmp_path / "broken.lua"
+    script.write_text("return obj.nothing.here")
+    got = lua_health(script, [CASES["stalled"][0]])[0]
+    assert "error" in got and "status" not in got, got
