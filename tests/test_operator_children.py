@@ -26,7 +26,7 @@ def smol(**extra) -> dict:
 
 def build(spec_dict: dict, replicas: int = 1):
     spec = parse_inference_service(isvc(spec_dict))
-    from tokenmill.operator.reconcile import resolve_profile
+    from tokenmill.operator.profiles import resolve_profile
 
     p = plan(resolve_profile(spec), GPU_TYPES[spec.gpu_type], spec.engine, spec.gpu_count)
     return spec, p, desired_deployment(spec, p, replicas, "img:1")

@@ -140,8 +140,8 @@ def test_subresources_and_printer_columns(version):
 def test_status_schema_has_what_the_operator_writes(version):
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     from tokenmill.operator.catalog import MODEL_PROFILES
-    from tokenmill.operator.reconcile import plan_status
     from tokenmill.operator.sizing import plan
+    from tokenmill.operator.status_fields import plan_status
 
     p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"])
     assert set(plan_status(p, MODEL_PROFILES["SmolLM2-135M"])) <= set(status["sizing"]["properties"])
