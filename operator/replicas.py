@@ -49,17 +49,20 @@ def history(previous: dict) -> tuple[autoscaler.Recommendation, ...]:
 
 
 def read_metrics(spec: ServiceSpec, ready: list[dict], config, scrape, query_prometheus):
-    """(readings by pod, error text or None) for the ready pods."""
-    source = spec.scaling.metrics_source if spec.scaling else "pods"
-    try:
-        if source == "prometheus":
+    """(readings by pod, error text or None) for the ready pods. A fixed-size service (spec.scaling
+    None) is read from its pods too: the readings fill status.sizing.measured."""
+    if spec.scaling is not None and spec.scaling.metrics_source == "prometheus":
+        try:
             return query_prometheus(
                 spec.scaling.prometheus_url, spec.namespace, spec.name, [p["metadata"]["name"] for p in ready],
                 spec.scaling.prometheus_query, timeout=max(config.metrics_timeout, 3.0),
             ), None
+        except Exception as e:  # Prometheus down or answering garbage: hold, and say so
+            return {}, f"cannot query Prometheus at {spec.scaling.prometheus_url}: {e}"
+    try:
         return scrape(ready, timeout=config.metrics_timeout), None
-    except Exception as e:  # Prometheus down or answering garbage: hold, and say so
-        return {}, f"{spec.scaling.prometheus_url}: {e}"
+    except Exception as e:
+        return {}, f"cannot read the pods' /metrics: {e}"
 
 
 def decide_replicas(spec, sizing, current, ready, readings, metrics_error, previous, measured, config, autoscale,
@@ -83,7 +86,7 @@ def decide_replicas(spec, sizing, current, ready, readings, metrics_error, previ
     past = history(previous)
     if metrics_error is not None:
         decision = autoscaler.ScaleDecision(clamped, False, "MetricsUnavailable",
-                                            f"cannot query Prometheus at {metrics_error}; holding at {clamped} replicas",
+                                            f"{metrics_error}; holding at {clamped} replicas",
                                             None, tgt, past)
     elif metrics.TOTAL in readings:
         decision = autoscaler.decide_with_total(s, current, readings[metrics.TOTAL].queue_depth, tgt, past, now)

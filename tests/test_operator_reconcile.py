@@ -342,6 +342,34 @@ def test_prometheus_down_holds():
     assert (sa["status"], sa["reason"]) == ("False", "MetricsUnavailable") and "http://prom:9090" in sa["message"]
 
 
+def _broken(*a, **k):
+    raise RuntimeError("connection refused")
+
+
+def test_a_failed_scrape_of_a_fixed_size_service_is_no_error():
+    # Review finding (issue 14): the error path formatted spec.scaling.prometheus_url, and spec.scaling
+    # is None for a fixed size, so every tick of such a service raised AttributeError.
+    api = FakeApi()
+    add_isvc(api, smol(replicas=2))
+    run(api)
+    deployment_ready(api)
+    make_pods(api, 2)
+    status = run(api, autoscale=True, scrape=_broken)
+    assert cond(status, "ScalingActive")["reason"] == "FixedReplicas"
+    assert cond(status, "Ready")["status"] == "True"
+    assert "measured" not in status["sizing"]
+
+
+def test_a_failed_scrape_of_an_autoscaled_service_holds_and_names_the_pods():
+    api = FakeApi()
+    autoscaled(api)
+    make_pods(api, 1)
+    status = run(api, autoscale=True, scrape=_broken)
+    sa = cond(status, "ScalingActive")
+    assert (sa["status"], sa["reason"]) == ("False", "MetricsUnavailable")
+    assert "pods' /metrics" in sa["message"] and "Prometheus" not in sa["message"]
+
+
 def test_autoscaling_respects_the_quota():
     api = FakeApi()
     api.quotas = [gpu_quota(hard=2, used=1)]
