@@ -17,6 +17,9 @@ class GPUType:
     name: str  # the value of spec.resources.gpu.type
     memory_mib: int
     products: tuple[str, ...]  # nvidia.com/gpu.product values of this type
+    # GPUs on one node of the largest common shape (p5/a3/ND H100 v5: 8; g5/g6.48xlarge and g2-96: 8).
+    # A replica needing more runs as one pod per node (tensor parallel inside, pipeline parallel across).
+    gpus_per_node: int = 8
 
     @property
     def memory_bytes(self) -> int:
@@ -68,6 +71,12 @@ MODEL_PROFILES: dict[str, ModelProfile] = {
         ModelProfile(
             "Llama-3.1-8B", 8_030_261_248, 32, 4096, 32, 8, 128, 14336, 128256, 131072,
             aliases=("llama-3.1-8b", "meta-llama-3.1-8b"),
+        ),
+        # In bfloat16 its 812 GB of weights need two nodes of 8 x 80 GB (a multi-node replica). The Hub is
+        # not reachable here: the parameter count is estimate_num_parameters() of this config.json shape.
+        ModelProfile(
+            "Llama-3.1-405B", 405_853_388_800, 126, 16384, 128, 8, 128, 53248, 128256, 131072,
+            aliases=("llama-3.1-405b", "meta-llama-3.1-405b"),
         ),
         ModelProfile(
             "Llama-3.1-70B", 70_553_706_496, 80, 8192, 64, 8, 128, 28672, 128256, 131072,

@@ -1,7 +1,10 @@
-"""The sizing plan: does a model fit a GPU type, on how many GPUs, with how much KV cache.
+"""The sizing plan: does a model fit a GPU type, on how many GPUs and nodes, with how much KV cache.
 
 One function, `plan`, decides everything; the operator (pod spec, quota check, status) and
 `tokenmill size` all read its result. The memory math itself lives in tokenmill.engine.kv_memory.
+A replica that needs more GPUs than one node has runs on several nodes, one pod per node: tensor
+parallel inside a node, pipeline parallel across nodes (vLLM's recommendation; NVLink inside, the
+slower network only between stages).
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -10,8 +13,11 @@ from tokenmill.engine import kv_memory as kvm
 from tokenmill.engine.config import EngineConfig
 from tokenmill.operator.catalog import GPU_TYPES, GPUType, ModelProfile
 
-# One replica runs on one node: eight GPUs is the largest node shape in the catalog's clouds.
-MAX_GPUS_PER_REPLICA = 8
+# Tensor parallel stays inside one node: eight GPUs is the largest node shape in the catalog's clouds.
+MAX_TENSOR_PARALLEL_SIZE = 8
+# Pipeline stages (nodes) per replica: each stage adds a network hop per step and a pipeline bubble;
+# four 8-GPU nodes already hold a 405B model in bfloat16 on 40 GB GPUs.
+MAX_NODES_PER_REPLICA = 4
 # vLLM's default on GPUs: beyond this a decode step is compute-bound and every sequence slows down.
 MAX_NUM_SEQS_CAP = 256
 # A typical chat turn (prompt + answer) for `maxNumSeqs: auto`: how many of these fit in the KV cache.
@@ -40,14 +46,17 @@ class SizingPlan:
     reason: str  # Fits | WeightsDoNotFit | KVCacheTooSmall | MaxModelLenTooLarge | InvalidGPUCount
     message: str
     dtype: str
-    gpus_per_replica: int
+    gpus_per_replica: int  # every GPU of every pod of one replica: TP x PP
+    tensor_parallel_size: int  # GPUs per pod (inside one node)
+    pipeline_parallel_size: int  # stages, one pod (node) each
+    nodes_per_replica: int  # pods per replica; > 1 runs the replica as a LeaderWorkerSet group
     gpu_memory_bytes: int
     gpu_memory_utilization: float
     weights_bytes: int  # the whole model
-    weights_bytes_per_gpu: int
+    weights_bytes_per_gpu: int  # the largest pipeline stage's share
     overhead_bytes: int  # per GPU: runtime + activations + sampler
     kv_cache_bytes: int  # per GPU, what the engine is told to allocate (whole blocks)
-    kv_bytes_per_token: int  # per GPU
+    kv_bytes_per_token: int  # per GPU (this rank's heads of the largest stage's layers)
     block_size: int
     kv_blocks: int
     kv_tokens: int  # per replica
@@ -69,12 +78,12 @@ def resolve_dtype(dtype: str) -> str:
     return resolved
 
 
-def valid_tensor_parallel_sizes(profile: ModelProfile) -> list[int]:
+def valid_tensor_parallel_sizes(profile: ModelProfile, max_size: int = MAX_TENSOR_PARALLEL_SIZE) -> list[int]:
     """Powers of two up to one node that split the attention heads evenly; KV heads are either split
     evenly or replicated (TP a multiple of the KV heads), as in vLLM."""
     sizes = []
     tp = 1
-    while tp <= MAX_GPUS_PER_REPLICA:
+    while tp <= min(max_size, MAX_TENSOR_PARALLEL_SIZE):
         kv = profile.num_key_value_heads
         if profile.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0):
             sizes.append(tp)
@@ -82,9 +91,40 @@ def valid_tensor_parallel_sizes(profile: ModelProfile) -> list[int]:
     return sizes
 
 
+def layouts(profile: ModelProfile, gpu: GPUType) -> list[tuple[int, int]]:
+    """(tensor parallel, pipeline parallel) candidates, fewest GPUs first: one node with each valid TP,
+    then 2..MAX_NODES_PER_REPLICA nodes with the largest TP that fits a node (every GPU of the node)."""
+    single = valid_tensor_parallel_sizes(profile, gpu.gpus_per_node)
+    stages = range(2, min(MAX_NODES_PER_REPLICA, profile.num_hidden_layers) + 1)
+    return [(tp, 1) for tp in single] + [(single[-1], pp) for pp in stages]
+
+
 def gpus_per_replica(plan: SizingPlan) -> int:
-    """The GPUs one replica requests: read by the pod spec, the quota check and the status alike."""
+    """The GPUs one replica requests, all its pods together: read by the pod spec (through gpus_per_pod),
+    the quota check and the status alike."""
     return plan.gpus_per_replica
+
+
+def gpus_per_pod(plan: SizingPlan) -> int:
+    """nvidia.com/gpu of each pod of a replica (one pod per node)."""
+    return gpus_per_replica(plan) // plan.nodes_per_replica
+
+
+def layers_per_stage(profile: ModelProfile, pp: int) -> int:
+    """Decoder layers on the largest pipeline stage (vLLM gives the remainder to middle stages)."""
+    return -(-profile.num_hidden_layers // pp)
+
+
+def stage_parameters(profile: ModelProfile, pp: int) -> int:
+    """Parameters of the largest pipeline stage: its layers plus one vocabulary matrix (the embedding on
+    the first stage, the LM head and final norm on the last; a tied embedding is held by both)."""
+    if pp == 1:
+        return profile.num_parameters
+    vocab = profile.vocab_size * profile.hidden_size
+    embeddings = vocab * (1 if profile.tie_word_embeddings else 2)
+    layers = max(0, profile.num_parameters - embeddings - profile.hidden_size)
+    per_layer = -(-layers // profile.num_hidden_layers)
+    return per_layer * layers_per_stage(profile, pp) + vocab + profile.hidden_size
 
 
 def plan(
@@ -92,7 +132,7 @@ def plan(
 ) -> SizingPlan:
     """Size `profile` on `gpu`; gpu_count None picks the fewest GPUs that fit."""
     dtype = resolve_dtype(settings.dtype)
-    valid = valid_tensor_parallel_sizes(profile)
+    valid = valid_tensor_parallel_sizes(profile, gpu.gpus_per_node)
     if settings.max_model_len is not None and settings.max_model_len > profile.max_position_embeddings:
         return _plan_at(profile, gpu, settings, dtype, gpu_count or valid[0]).with_reason(
             "MaxModelLenTooLarge",
@@ -107,8 +147,8 @@ def plan(
             f"heads, {profile.num_key_value_heads} KV heads) evenly: use {_or_list(valid)}",
         )
     last = None
-    for tp in [gpu_count] if gpu_count is not None else valid:
-        candidate = _plan_at(profile, gpu, settings, dtype, tp)
+    for tp, pp in [(gpu_count, 1)] if gpu_count is not None else layouts(profile, gpu):
+        candidate = _plan_at(profile, gpu, settings, dtype, tp, pp)
         if candidate.feasible:
             return candidate
         last = candidate
@@ -120,36 +160,51 @@ def suggest(profile: ModelProfile, gpu: GPUType, settings: EngineSettings, exclu
     """What would fit instead: more GPUs of this type, or the smallest other type that fits."""
     options = []
     for other in sorted(GPU_TYPES.values(), key=lambda g: g.memory_mib):
-        for tp in valid_tensor_parallel_sizes(profile):
-            if (other.name, tp) == exclude:
+        for tp, pp in layouts(profile, other):
+            if (other.name, tp * pp) == exclude:
                 continue
-            p = _plan_at(profile, other, settings, resolve_dtype(settings.dtype), tp)
+            p = _plan_at(profile, other, settings, resolve_dtype(settings.dtype), tp, pp)
             if p.feasible:
-                options.append((tp * other.memory_mib, other.name, tp))
+                options.append((tp * pp * other.memory_mib, other.name, tp, pp))
                 break
-    same = [o for o in options if o[1] == gpu.name and o[2] > exclude[1]]
+    same = [o for o in options if o[1] == gpu.name and o[2] * o[3] > exclude[1]]
     others = sorted(o for o in options if o[1] != gpu.name)[:1]
-    words = [f"gpu.count {o[2]}" for o in same] + [f"gpu.type {o[1]} with count {o[2]}" for o in others]
+
+    def word(option: tuple, same_type: bool) -> str:
+        _, name, tp, pp = option
+        if pp > 1:  # only the automatic choice (no gpu.count) spans nodes
+            nodes = f"{pp} nodes x {tp} GPUs per replica"
+            return f"no gpu.count ({nodes})" if same_type else f"gpu.type {name} without a count ({nodes})"
+        return f"gpu.count {tp}" if same_type else f"gpu.type {name} with count {tp}"
+
+    words = [word(o, True) for o in same] + [word(o, False) for o in others]
     if not words:
         return (
-            f"no catalog GPU type fits it in {MAX_GPUS_PER_REPLICA} GPUs per replica; lower maxModelLen or "
+            f"no catalog GPU type fits it in {MAX_NODES_PER_REPLICA} nodes per replica; lower maxModelLen or "
             "use a smaller model or dtype"
         )
     return "use " + " or ".join(words)
 
 
-def _plan_at(profile: ModelProfile, gpu: GPUType, settings: EngineSettings, dtype: str, tp: int) -> SizingPlan:
+def _plan_at(
+    profile: ModelProfile, gpu: GPUType, settings: EngineSettings, dtype: str, tp: int, pp: int = 1
+) -> SizingPlan:
     bs = settings.block_size
     weights = kvm.weights_bytes(profile.num_parameters, dtype)
-    weights_gpu = kvm.weights_bytes(profile.num_parameters, dtype, tp)
+    weights_gpu = kvm.weights_bytes(stage_parameters(profile, pp), dtype, tp)
     seqs_for_overhead = settings.max_num_seqs or MAX_NUM_SEQS_CAP
     activations = kvm.activation_peak_bytes(
         MAX_NUM_BATCHED_TOKENS, profile.hidden_size, profile.intermediate_size, profile.num_attention_heads,
         profile.num_key_value_heads, profile.head_dim, dtype, tp,
     )
-    overhead = kvm.non_kv_overhead_bytes(activations, kvm.sampler_peak_bytes(seqs_for_overhead, profile.vocab_size), tp)
+    # Communication buffers are needed whenever the replica spans several GPUs (TP or PP); the sampler is
+    # counted on every stage, which is conservative for all but the last.
+    sampler = kvm.sampler_peak_bytes(seqs_for_overhead, profile.vocab_size)
+    overhead = kvm.non_kv_overhead_bytes(activations, sampler, tp * pp)
     budget = kvm.kv_cache_budget_bytes(gpu.memory_bytes, settings.gpu_memory_utilization, weights_gpu, overhead)
-    per_token = kvm.kv_bytes_per_token(profile.num_hidden_layers, profile.num_key_value_heads, profile.head_dim, dtype, tp)
+    per_token = kvm.kv_bytes_per_token(
+        layers_per_stage(profile, pp), profile.num_key_value_heads, profile.head_dim, dtype, tp
+    )
     blocks = kvm.num_kv_blocks(budget, bs, per_token)
     tokens = blocks * bs
     limit = kvm.align_down(profile.max_position_embeddings, bs)
@@ -161,7 +216,8 @@ def _plan_at(profile: ModelProfile, gpu: GPUType, settings: EngineSettings, dtyp
     max_num_seqs = settings.max_num_seqs or min(MAX_NUM_SEQS_CAP, max(1, concurrency))
     result = SizingPlan(
         model=profile.name, gpu_type=gpu.name, feasible=True, reason="Fits", message="", dtype=dtype,
-        gpus_per_replica=tp, gpu_memory_bytes=gpu.memory_bytes,
+        gpus_per_replica=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp, nodes_per_replica=pp,
+        gpu_memory_bytes=gpu.memory_bytes,
         gpu_memory_utilization=settings.gpu_memory_utilization, weights_bytes=weights,
         weights_bytes_per_gpu=weights_gpu, overhead_bytes=overhead, kv_cache_bytes=blocks * bs * per_token,
         kv_bytes_per_token=per_token, block_size=bs, kv_blocks=blocks, kv_tokens=tokens,
@@ -170,13 +226,14 @@ def _plan_at(profile: ModelProfile, gpu: GPUType, settings: EngineSettings, dtyp
         target_queue_depth=max(1, min(max_num_seqs, concurrency)),
     )
     usable = budget + weights_gpu + overhead
-    where = f"{tp} x {gpu.name}"
+    where = f"{tp} x {gpu.name}" if pp == 1 else f"{pp} nodes x {tp} x {gpu.name} (TP {tp} x PP {pp})"
+    many = tp * pp > 1
     if budget < bs * per_token:
-        per_gpu = f" ({gb(weights_gpu)} per GPU)" if tp > 1 else ""
+        per_gpu = f" ({gb(weights_gpu)} per GPU)" if many else ""
         return result.with_reason(
             "WeightsDoNotFit",
             f"{profile.name} in {dtype} needs {gb(weights)} of weights{per_gpu}; {where} "
-            f"{'have' if tp > 1 else 'has'} {gb(gpu.memory_bytes)}{' each' if tp > 1 else ''} ({gb(usable)} at gpuMemoryUtilization "
+            f"{'have' if many else 'has'} {gb(gpu.memory_bytes)}{' each' if many else ''} ({gb(usable)} at gpuMemoryUtilization "
             f"{settings.gpu_memory_utilization:g}, {gb(overhead)} of it runtime and activation overhead)",
         )
     needed = kvm.blocks_for_tokens(max_model_len, bs)
