@@ -91,7 +91,7 @@ SA = f"{OPERATOR_NAMESPACE}:tokenmill-operator"
 
 @pytest.mark.parametrize(("verb", "resource"), [
     ("get", "secrets"), ("list", "secrets"), ("get", "configmaps"), ("create", "pods"), ("delete", "pods"),
-    ("delete", "deployments"), ("update", "inferenceservices.serving.tokenmill.dev"),
+    ("update", "deployments"), ("update", "inferenceservices.serving.tokenmill.dev"),
     ("patch", "inferenceservices.serving.tokenmill.dev"), ("get", "nodes"), ("create", "clusterroles"),
     ("escalate", "roles"), ("create", "serviceaccounts/token"), ("delete", "services"),
     ("update", "inferenceservices.serving.tokenmill.dev/status"),
@@ -106,6 +106,9 @@ def test_cluster_wide_operator_is_refused_what_it_does_not_need(cluster: Cluster
     ("create", "deployments.apps"), ("patch", "deployments.apps"), ("list", "pods"), ("list", "resourcequotas"),
     ("create", "events"), ("delete", "poddisruptionbudgets.policy"), ("patch", "services"),
     ("update", "inferenceservices.serving.tokenmill.dev/finalizers"),
+    # A plan moving between one node and several replaces a Deployment by a LeaderWorkerSet or back.
+    ("delete", "deployments.apps"), ("patch", "leaderworkersets.leaderworkerset.x-k8s.io"),
+    ("delete", "leaderworkersets.leaderworkerset.x-k8s.io"),
 ])
 def test_cluster_wide_operator_may_do_what_it_needs(cluster: Cluster, chart_release: str,
                                                     verb: str, resource: str) -> None:

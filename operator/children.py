@@ -5,7 +5,7 @@ import json
 import math
 
 from tokenmill.operator.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
-from tokenmill.operator.sizing import SizingPlan, gpus_per_replica
+from tokenmill.operator.sizing import SizingPlan, gpus_per_pod
 from tokenmill.operator.spec import API_VERSION, KIND, ServiceSpec
 
 PORT = 8000
@@ -85,8 +85,10 @@ def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
         "--max-waiting-requests", str(spec.max_waiting_requests),
         "--shutdown-grace-period", str(SHUTDOWN_GRACE_SECONDS),
     ]
-    if gpus_per_replica(plan) > 1:
-        args += ["--tensor-parallel-size", str(gpus_per_replica(plan))]
+    if gpus_per_pod(plan) > 1:
+        args += ["--tensor-parallel-size", str(gpus_per_pod(plan))]
+    if plan.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(plan.pipeline_parallel_size)]
     if not spec.enable_prefix_caching:
         args += ["--no-enable-prefix-caching"]
     return args
@@ -129,9 +131,10 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict:
     }
 
 
-def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str) -> dict:
+def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str) -> dict:
+    """The engine pod template (metadata and spec) of a Deployment, or of a LeaderWorkerSet's leader."""
     t = spec.template
-    gpus = str(gpus_per_replica(plan))
+    gpus = str(gpus_per_pod(plan))
     startup = startup_timeout_seconds(spec, plan)
     env = [
         {"name": "HOME", "value": CACHE_DIR},
@@ -217,6 +220,11 @@ def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image
         "prometheus.io/path": "/metrics",
         **(t.get("annotations") or {}),
     }
+    return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str) -> dict:
+    startup = startup_timeout_seconds(spec, plan)
     return stamp({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -230,19 +238,20 @@ def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image
             # The Deployment must not call a slow model load a failed rollout.
             "progressDeadlineSeconds": startup + 300,
             "revisionHistoryLimit": 3,
-            "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec},
+            "template": pod_template(spec, plan, image),
         },
     })
 
 
-def desired_service(spec: ServiceSpec) -> dict:
+def desired_service(spec: ServiceSpec, only: dict[str, str] | None = None) -> dict:
+    """`only`: extra selector labels (a multi-node service sends traffic to its leaders only)."""
     return stamp({
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(spec),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(spec.name),
+            "selector": {**selector_labels(spec.name), **(only or {})},
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}],
         },
     })

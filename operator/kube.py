@@ -19,6 +19,7 @@ FIELD_MANAGER = "tokenmill-operator"
 # kind -> (API prefix, plural)
 RESOURCES = {
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "Service": ("/api/v1", "services"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tokenmill.operator import autoscaler, children, metrics
+from tokenmill.operator import autoscaler, children, lws, metrics
 from tokenmill.operator import replicas as rep
 from tokenmill.operator.catalog import GPU_TYPES, ProfileError
 from tokenmill.operator.conditions import (
@@ -115,11 +115,20 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
         status["sizing"] = {"feasible": False, "reason": e.reason, "message": str(e), "gpuType": spec.gpu_type}
         sized = Condition("Sized", "False", e.reason, str(e))
 
-    live = {kind: api.get(kind, ns, name) for kind in ("Deployment", "Service", "PodDisruptionBudget")}
+    # The workload is a Deployment, or a LeaderWorkerSet of groups when a replica spans nodes (lws.py).
+    # The LWS is read only when planned now or before, so single-node services need no LWS CRD or RBAC.
+    multi = sizing is not None and sizing.feasible and lws.is_multi_node(sizing)
+    was_multi = int(((previous.get("sizing") or {}).get("nodesPerReplica")) or 1) > 1
+    kinds = ("Deployment", "Service", "PodDisruptionBudget", *((lws.KIND,) if multi or was_multi else ()))
+    live = {kind: api.get(kind, ns, lws.lws_name(spec) if kind == lws.KIND else name) for kind in kinds}
     foreign = [k for k, obj in live.items() if obj is not None and not children.is_owned_by(obj, spec)]
-    deployment = live["Deployment"] if "Deployment" not in foreign else None
+    workload_kind = lws.KIND if multi or (was_multi and sizing is not None and not sizing.feasible) else "Deployment"
+    view = lws.rollout_source if workload_kind == lws.KIND else (lambda obj: obj)
+    deployment = view(live.get(workload_kind)) if workload_kind not in foreign else None
     current = (deployment or {}).get("spec", {}).get("replicas")
     pods = api.list("Pod", ns, children.selector_string(name))
+    if workload_kind == lws.KIND:
+        status["selector"] = f"{status['selector']},{lws.ROLE_LABEL}={lws.LEADER}"
 
     def stuck(blocker: tuple[str, str] | None) -> dict:
         # Infeasible or blocked: create nothing, and leave a running Deployment as it is (a bad edit
@@ -143,7 +152,7 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
             return stuck(("SecretNotFound", problem))
 
     # --- replicas: fixed, or the autoscaler's decision; then the GPU quota cap ---
-    ready = [p for p in pods if rep.is_ready(p)]
+    ready = [p for p in lws.serving_pods(pods) if rep.is_ready(p)]  # group workers serve no metrics
     readings, metrics_error = {}, None
     if autoscale and ready:
         readings, metrics_error = rep.read_metrics(spec, ready, config, scrape, query_prometheus)
@@ -164,23 +173,36 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     quota_cond = rep.quota_condition(cap)
 
     # --- children ---
-    desired = children.desired_deployment(spec, sizing, replicas, config.engine_image)
+    if multi:
+        desired = lws.desired_leaderworkerset(spec, sizing, replicas, config.engine_image)
+        engine = desired["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+        shape = f"groups of {sizing.nodes_per_replica} pods x {sizing.tensor_parallel_size}"
+    else:
+        desired = children.desired_deployment(spec, sizing, replicas, config.engine_image)
+        engine = desired["spec"]["template"]["spec"]["containers"][0]
+        shape = f"replicas x {gpus_per_replica(sizing)}"
+    workload = f"{workload_kind} {desired['metadata']['name']}"
     spec_changed = deployment is None or children.differs(
         {**desired["spec"], "replicas": None}, {**deployment.get("spec", {}), "replicas": None})
     if deployment is None:
-        deployment = api.apply(desired)
-        events.append(("Normal", "Created", f"Deployment {name}: {replicas} replicas x {gpus_per_replica(sizing)} "
-                                           f"{spec.gpu_type}, {' '.join(desired['spec']['template']['spec']['containers'][0]['args'])}"))
+        deployment = view(api.apply(desired))
+        events.append(("Normal", "Created", f"{workload}: {replicas} {shape} {spec.gpu_type}, {' '.join(engine['args'])}"))
     elif children.differs(desired, deployment):
         if current is not None and current != replicas:
             why = decision.message if decision is not None and decision.replicas == wanted else scaling_cond.message
             if cap.limited:
                 why = cap.message
             events.append(("Normal", "ScaledUp" if replicas > current else "ScaledDown",
-                           f"Deployment {name} from {current} to {replicas} replicas: {why}"))
+                           f"{workload} from {current} to {replicas} replicas: {why}"))
             status.setdefault("scaling", {})["lastScaleTime"] = iso(now)
-        deployment = api.apply(desired)
-    for kind, want in (("Service", children.desired_service(spec)), ("PodDisruptionBudget", children.desired_pdb(spec))):
+        deployment = view(api.apply(desired))
+    # A plan that moved between one node and several: the other workload kind goes once the new one exists.
+    other = "Deployment" if multi else lws.KIND
+    if live.get(other) is not None and other not in foreign:
+        api.delete(other, ns, live[other]["metadata"]["name"])
+        events.append(("Normal", "Deleted", f"{other} {live[other]['metadata']['name']}: replaced by {workload}"))
+    service = children.desired_service(spec, lws.leader_only() if multi else None)
+    for kind, want in (("Service", service), ("PodDisruptionBudget", children.desired_pdb(spec))):
         if want is None:
             if live[kind] is not None:
                 api.delete(kind, ns, name)
