@@ -15,7 +15,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core_client import EngineDeadError, InprocClient
 from tokenmill.engine.entrypoints.api_server import build_app
 from tokenmill.engine.entrypoints.metrics import ServerMetrics
-from tokenmill.engine.entrypoints.serving_common import ServerState
+from tokenmill.engine.entrypoints.server_state import ServerState
 from tokenmill.engine.sampling_params import SamplingParams
 
 # engine.md's greedy fp32 continuation of "Once upon a time"

@@ -16,7 +16,8 @@ from tokenmill.engine.entrypoints import serve_cli
 from tokenmill.engine.entrypoints.api_server import build_app
 from tokenmill.engine.entrypoints.errors import validation_message
 from tokenmill.engine.entrypoints.metrics import ServerMetrics
-from tokenmill.engine.entrypoints.serving_common import ServerState, resolve_max_tokens
+from tokenmill.engine.entrypoints.request_params import resolve_max_tokens
+from tokenmill.engine.entrypoints.server_state import ServerState
 from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.engine.sampling_params import SamplingParams
 

@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+from tokenmill.engine.entrypoints.chat_messages import validate_messages
+from tokenmill.engine.entrypoints.disconnect import ClientDisconnected
 from tokenmill.engine.entrypoints.errors import OpenAIError, bad_request, error_response, validation_message
 from tokenmill.engine.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -23,8 +25,8 @@ from tokenmill.engine.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from tokenmill.engine.entrypoints.serving_chat import create_chat_completion, validate_messages
-from tokenmill.engine.entrypoints.serving_common import ClientDisconnected, ServerState
+from tokenmill.engine.entrypoints.server_state import ServerState
+from tokenmill.engine.entrypoints.serving_chat import create_chat_completion
 from tokenmill.engine.entrypoints.serving_completion import create_completion
 
 

@@ -28,7 +28,7 @@ from tokenmill.engine.config import DEFAULTS, EngineConfig
 from tokenmill.engine.core_client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.entrypoints.api_server import build_app
 from tokenmill.engine.entrypoints.metrics import ServerMetrics
-from tokenmill.engine.entrypoints.serving_common import ServerState
+from tokenmill.engine.entrypoints.server_state import ServerState
 
 logger = logging.getLogger("tokenmill.serve")
 

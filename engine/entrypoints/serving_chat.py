@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: validate, apply the chat template, generate, answer (JSON or SSE)."""
+"""POST /v1/chat/completions, top to bottom: validate the messages and parameters, admit, apply the
+chat template, generate, answer (one JSON body or SSE chunks)."""
 
 import time
 import uuid
@@ -9,7 +10,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.background import BackgroundTask
-from tokenmill.engine.entrypoints.errors import bad_request, from_value_error
+from tokenmill.engine.entrypoints.chat_messages import validate_messages
+from tokenmill.engine.entrypoints.disconnect import run_until_disconnect
+from tokenmill.engine.entrypoints.engine_errors import engine_error
+from tokenmill.engine.entrypoints.errors import bad_request
+from tokenmill.engine.entrypoints.logprobs import TokenTexts, chat_logprobs
 from tokenmill.engine.entrypoints.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -17,60 +22,15 @@ from tokenmill.engine.entrypoints.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     UsageInfo,
 )
-from tokenmill.engine.entrypoints.serving_common import (
-    SAMPLING_PARAM_NAMES,
-    SSE_DONE,
-    ServerState,
-    TokenTexts,
-    build_sampling_params,
-    chat_logprobs,
-    engine_error,
-    resolve_max_tokens,
-    run_until_disconnect,
-    sse,
-)
+from tokenmill.engine.entrypoints.request_params import chat_sampling_params, finish_params
+from tokenmill.engine.entrypoints.server_state import ServerState
+from tokenmill.engine.entrypoints.streaming import SSE_DONE, sse
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
-
-SUPPORTED_ROLES = ("system", "developer", "user", "assistant")
-MAX_TOP_LOGPROBS = 20
-
-
-def validate_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages -> the plain dicts a chat template renders; a 400 naming the bad message."""
-    if not messages:
-        raise bad_request("messages must contain at least one message", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in SUPPORTED_ROLES:
-            raise bad_request(
-                f"messages[{i}].role {m.role!r} is not supported; use one of: {', '.join(SUPPORTED_ROLES)}",
-                "messages",
-            )
-        if m.content is None:
-            if m.role != "assistant":
-                raise bad_request(f"messages[{i}].content is required for role {m.role!r}", "messages")
-            text = ""
-        elif isinstance(m.content, str):
-            text = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages[{i}].content[{j}] has type {part.type!r}; only text parts are supported",
-                        "messages",
-                    )
-                parts.append(part.text)
-            text = "\n".join(parts)
-        # Templates know system; OpenAI's newer `developer` role means the same thing.
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-    return out
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -84,30 +44,14 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
+    # 1. Everything that can be checked without the tokenizer, before the request counts as admitted.
     state.check_model(req.model)
     state.ready_engine()
     messages = validate_messages(req.messages)
     _check_unsupported(req)
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
-            )
-    top_k = req.top_logprobs or 0
-    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    n = 1 if req.n is None else req.n
-    params = build_sampling_params(
-        req,
-        n=n,
-        logprobs=top_k if req.logprobs else None,
-        max_tokens=requested,
-        max_num_seqs=state.max_num_seqs,
-        vocab_size=state.vocab_size,
-    )
+    params, max_tokens_param = chat_sampling_params(req, state.max_num_seqs, state.vocab_size)
 
+    # 2. Admit, render the prompt, fix the completion budget, start generating.
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     arrival = time.monotonic()
     engine = state.admit([request_id])
@@ -116,19 +60,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             prompt, prompt_ids = await engine.apply_chat_template(messages, req.add_generation_prompt)
         except (TemplateError, ValueError) as e:
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-        params.max_tokens = resolve_max_tokens(
-            len(prompt_ids), requested, state.max_model_len, "messages", max_tokens_param
-        )
-        try:
-            params.verify()
-        except ValueError as e:
-            raise from_value_error(e, SAMPLING_PARAM_NAMES) from None
+        finish_params(params, len(prompt_ids), state.max_model_len, "messages", max_tokens_param)
         gen = engine.generate(request_id, prompt, prompt_ids, params, arrival, req.priority or 0)
     except BaseException:
         engine.release([request_id])
         raise
 
+    # 3. Answer.
     texts = state.extra.setdefault("token_texts", TokenTexts(state.tokenizer))
+    top_k = req.top_logprobs or 0
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(

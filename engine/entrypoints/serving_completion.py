@@ -12,7 +12,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
-from tokenmill.engine.entrypoints.errors import bad_request, from_value_error
+from tokenmill.engine.entrypoints.disconnect import run_until_disconnect
+from tokenmill.engine.entrypoints.engine_errors import engine_error
+from tokenmill.engine.entrypoints.errors import bad_request
+from tokenmill.engine.entrypoints.logprobs import TokenTexts, completion_logprobs
 from tokenmill.engine.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -20,23 +23,11 @@ from tokenmill.engine.entrypoints.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from tokenmill.engine.entrypoints.serving_common import (
-    SAMPLING_PARAM_NAMES,
-    SSE_DONE,
-    ServerState,
-    TokenTexts,
-    build_sampling_params,
-    completion_logprobs,
-    engine_error,
-    merge_async_iterators,
-    resolve_max_tokens,
-    run_until_disconnect,
-    sse,
-)
+from tokenmill.engine.entrypoints.request_params import completion_sampling_params, finish_params
+from tokenmill.engine.entrypoints.server_state import ServerState
+from tokenmill.engine.entrypoints.streaming import SSE_DONE, merge_async_iterators, sse
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20
 
 
 def split_prompts(prompt: Any) -> list[str | list[int]]:
@@ -52,31 +43,11 @@ def split_prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def _check_unsupported(req: CompletionRequest, n: int) -> None:
-    if req.suffix:
-        raise bad_request("suffix is not supported by this server", "suffix")
-    if req.best_of is not None and req.best_of != n:
-        raise bad_request(f"best_of must equal n ({n}) on this server, got {req.best_of}", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
-
-
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
     state.ready_engine()
     prompts = split_prompts(req.prompt)
-    n = 1 if req.n is None else req.n
-    _check_unsupported(req, n)
-    base_params = build_sampling_params(
-        req,
-        n=n,
-        logprobs=req.logprobs,
-        max_tokens=req.max_tokens,
-        max_num_seqs=state.max_num_seqs,
-        vocab_size=state.vocab_size,
-    )
+    base_params = completion_sampling_params(req, state.max_num_seqs, state.vocab_size)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     arrival = time.monotonic()
@@ -94,14 +65,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                 text = await engine.decode(prompt) if req.echo else None
             if not token_ids:
                 raise bad_request(f"{where} is empty (0 tokens)", "prompt")
-            params = SamplingParams.from_dict(base_params.to_dict())
-            params.max_tokens = resolve_max_tokens(
-                len(token_ids), req.max_tokens, state.max_model_len, "prompt", "max_tokens"
-            )
-            try:
-                params.verify()
-            except ValueError as e:
-                raise from_value_error(e, SAMPLING_PARAM_NAMES) from None
+            params = finish_params(
+                SamplingParams.from_dict(base_params.to_dict()), len(token_ids), state.max_model_len,
+                "prompt", "max_tokens",
+            )  # fmt: skip
             gens.append(engine.generate(rid, text, token_ids, params, arrival, req.priority or 0))
             prompt_texts.append(text if req.echo else "")
     except BaseException:
