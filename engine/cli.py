@@ -9,6 +9,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tokenmill.engine.entrypoints.serve_cli", "run serve: the OpenAI-compatible server"),
+    "download": ("tokenmill.engine.download_cli", "download a model (hf://ORG/NAME[@REV]) into the cache"),
     "generate": ("tokenmill.engine.generate_cli", "print a completion from a model"),
     "bench": ("tokenmill.engine.bench.cli", "benchmarks: throughput, serve, compare"),
     "size": ("tokenmill.operator.size_cli", "print the KV-memory sizing plan for a model on a GPU"),

@@ -1,7 +1,8 @@
 """Find a model, turn it into a Hugging Face folder, load tokenizer and weights into our implementation.
 
 Accepted models: an HF folder (config.json, *.safetensors, tokenizer files), a .gguf file (converted
-once into the user's cache dir), or None for the bundled SmolLM2-135M-Instruct GGUF.
+once into the user's cache dir), a hub repo or other URI (model_source.py), or None for the bundled
+SmolLM2-135M-Instruct GGUF.
 """
 
 import hashlib
@@ -87,22 +88,25 @@ def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
     return final
 
 
-def resolve_model(model: str | os.PathLike | None) -> pathlib.Path:
-    """An HF-format folder for `model`: a folder as is, a .gguf converted (cached), None the bundled GGUF."""
-    if model is None:
-        return convert_gguf_cached(bundled_gguf_path())
-    path = pathlib.Path(model).expanduser()
+def resolve_model(
+    model: str | os.PathLike | None, revision: str | None = None, *, config_only: bool = False
+) -> pathlib.Path:
+    """An HF-format folder for `model`, any form model_source.py accepts (hf://, ORG/NAME, pvc://, file://,
+    bundled://, a local folder or .gguf file; None: the bundled model). Hub models are downloaded into
+    the hub cache once; a .gguf is converted once (cached). config_only: a hub model's config.json alone."""
+    from tokenmill.engine.model_source import parse_model_source, resolve_model_source
+
+    source = parse_model_source(model, revision)
+    path = resolve_model_source(source, config_only=config_only)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder)")
+            raise FileNotFoundError(
+                f"model folder {path} has no config.json (expected a Hugging Face model folder)"
+            )
         return path
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a Hugging Face folder")
-        return convert_gguf_cached(path)
-    raise FileNotFoundError(
-        f"model {str(model)!r} not found: pass a local Hugging Face folder or a .gguf file (no hub downloads)"
-    )
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a Hugging Face folder")
+    return convert_gguf_cached(path)
 
 
 def cpu_flags() -> set[str]:

@@ -53,6 +53,7 @@ _LFS_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")  # stored in LF
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 _CHUNK = 1 << 16
+_MAX_HEADER = 100 << 20  # the safetensors format's limit on its JSON header
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,14 @@ def _hash_file(path: pathlib.Path, lfs: bool) -> tuple[str, str | None]:
 def _safetensors_parameters(path: pathlib.Path) -> dict[str, int]:
     """dtype -> element count, from the file's JSON header (what the Hub reports as `safetensors`)."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+        if not 0 < n <= min(_MAX_HEADER, path.stat().st_size - 8):
+            return {}  # not a safetensors file: the Hub reports nothing for it either
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return {}
     out: dict[str, int] = {}
     for name, t in header.items():
         if name == "__metadata__":

@@ -29,11 +29,12 @@ from tokenmill.engine.core_client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.entrypoints.api_server import build_app
 from tokenmill.engine.entrypoints.metrics import ServerMetrics
 from tokenmill.engine.entrypoints.server_state import ServerState
+from tokenmill.engine.model_source import BUNDLED_MODEL, ModelSourceError, parse_model_source
 
 logger = logging.getLogger("tokenmill.serve")
 
 ENV_PREFIX = "TOKENMILL_"
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # the bundled model, as the operator's bundled:// URI names it
+DEFAULT_MODEL_NAME = BUNDLED_MODEL  # the bundled model, as the operator's bundled:// URI names it
 DEATH_EXIT_DELAY_S = 1.0  # lets the 500s of failed requests reach their clients before the process exits
 
 _SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -85,7 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. TOKENMILL_API_KEY or TOKENMILL_MAX_NUM_SEQS.",
     )
     p.add_argument(
-        "--model", default=None, help="HF folder or GGUF file; default: the bundled SmolLM2-135M-Instruct"
+        "--model",
+        default=None,
+        help="hf://ORG/NAME[@REVISION], ORG/NAME, pvc://CLAIM/PATH, file:///PATH, bundled://smollm2-135m-instruct, "
+        "or a local HF folder or GGUF file; default: the bundled SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--revision", default=None, help="hub models: branch, tag or commit sha (default: main)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run every check the engine makes before loading weights (fetching config.json only), print "
+        "one line and exit: 0 if the engine would start, 2 if not",
     )
     p.add_argument(
         "--served-model-name",
@@ -142,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="GPUs per replica; the engine runs on one device, so only 1 is accepted today",
     )
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs"
+    )
     return p
 
 
@@ -187,8 +200,12 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
             f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not implemented; this "
             "engine runs a model on one device (pick a GPU type whose memory holds the weights)"
         )
+    try:
+        source = parse_model_source(args.model, args.revision)
+    except ModelSourceError as e:
+        parser.error(str(e))
     if args.served_model_name is None:
-        args.served_model_name = [args.model or DEFAULT_MODEL_NAME]
+        args.served_model_name = [source.default_served_name]
     return args
 
 
@@ -277,11 +294,12 @@ class Server(uvicorn.Server):
             stop()
 
 
-def resolve_model_path(model: str | None) -> str:
-    """A Hugging Face folder for `model` (a GGUF is converted on first use, then cached)."""
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+    """A Hugging Face folder for `model` (a hub model is downloaded, a GGUF converted, on first use, then
+    cached)."""
     from tokenmill.engine.model_loader import resolve_model  # imports torch: called in a worker thread
 
-    return str(resolve_model(model))
+    return str(resolve_model(model, revision))
 
 
 def load_tokenizer_and_config(path: str) -> tuple:
@@ -298,7 +316,7 @@ async def bring_up(state: ServerState, args: argparse.Namespace, server: Server)
     config = engine_config(args)
     try:
         # Resolve first, once: a first-time GGUF conversion must not run in two processes at once.
-        config.model = await asyncio.to_thread(resolve_model_path, args.model)
+        config.model = await asyncio.to_thread(resolve_model_path, args.model, args.revision)
         client = InprocClient(config) if args.engine_in_process else MPClient(config, args.log_level.upper())
         state.extra["client"] = client
         info, (tokenizer, model_config) = await asyncio.gather(
@@ -346,6 +364,10 @@ async def bring_up(state: ServerState, args: argparse.Namespace, server: Server)
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.check:
+        from tokenmill.engine.preflight import run_check
+
+        return run_check(engine_config(args), args.revision)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
