@@ -42,8 +42,8 @@ clean: cluster-down
 # ---- e2e: a real local control plane (see docs/e2e.md) ----
 # The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
 # later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
-.PHONY: e2e e2e-deps cluster-tools gitops-tools prometheus chart-crds
-e2e-deps: cluster-tools gitops-tools prometheus
+.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools prometheus chart-crds
+e2e-deps: cluster-tools gitops-tools lws-tools prometheus
 
 # Only the end-to-end suite (make test runs it too).
 e2e: $(STAMP) e2e-deps
@@ -55,6 +55,10 @@ cluster-tools:
 # gopher-lua (Argo CD's Lua VM) and kstatus (Flux's and kpt's health) checks, e2e/tools/.
 gitops-tools:
 	bash e2e/build_gitops_tools.sh >/dev/null
+
+# The LeaderWorkerSet controller (sigs.k8s.io/lws), its CRD and webhook manifest (multi-node e2e test).
+lws-tools:
+	bash e2e/build_lws.sh >/dev/null
 
 prometheus:
 	@command -v prometheus >/dev/null || { \

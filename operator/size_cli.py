@@ -82,6 +82,8 @@ def render(p: SizingPlan, profile: ModelProfile) -> str:
         ("model", f"{profile.name} ({profile.source}), {profile.num_parameters:,} parameters"),
         ("gpu", f"{p.gpus_per_replica} x {gpu.name} ({gb(gpu.memory_bytes)} each, {gb(usable)} at "
                 f"gpu_memory_utilization {p.gpu_memory_utilization:g})"),
+        ("layout", f"TP {p.tensor_parallel_size} x PP {p.pipeline_parallel_size}, {p.nodes_per_replica} "
+                   f"{'node' if p.nodes_per_replica == 1 else 'nodes (a LeaderWorkerSet group)'} per replica"),
         ("dtype", p.dtype),
         ("weights", f"{gb(p.weights_bytes)} ({gb(p.weights_bytes_per_gpu)} per GPU)"),
         ("overhead", f"{gb(p.overhead_bytes)} per GPU (runtime, activations, sampler)"),

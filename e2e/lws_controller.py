@@ -1,0 +1,162 @@
+"""The LeaderWorkerSet controller (sigs.k8s.io/lws) beside the local control plane.
+
+e2e/build_lws.sh builds it from the Go module proxy and caches it with its CRD and webhook manifest.
+Here: install the CRD, start the controller as a local process (recorded in the cluster's
+cluster.json, so `cluster.py down` stops it by PID like the other components), and register its
+admission webhooks. The controller cannot run without them: its pod webhook is what labels group pods
+and injects LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX, and the worker StatefulSets are made
+from those labels (ENABLE_WEBHOOKS=false would leave groups without workers). There is no in-cluster
+Service for it (no kube-proxy), so the webhook configurations point at its local URL
+(https://127.0.0.1:PORT/...), and its serving certificate is issued by the cluster's CA, which is the
+caBundle. The controller's own cert rotation (internalCertManagement) is off: it would write a Secret and
+patch caBundles for an in-cluster Service name.
+
+    python e2e/lws_controller.py up [--workdir .e2e/pytest]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cluster import (
+    REPO,
+    Cluster,
+    ClusterError,
+    _is_ours,
+    _start,
+    _state_path,
+    _wait_until,
+    free_port,
+    load_cluster,
+)
+
+BUILD_SCRIPT = REPO / "e2e" / "build_lws.sh"
+NAME = "lws-controller"
+# Only pods of LeaderWorkerSets go through its pod webhooks (upstream's manifest matches every pod, with
+# failurePolicy Fail: a stopped controller would then block every pod in the cluster).
+POD_SELECTOR = {"matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]}
+
+
+def build() -> Path:
+    """The cache folder (bin/lws-controller, crd/, webhook/), building it on first use."""
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ClusterError(f"building the LWS controller failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}\n"
+                           f"Re-run `bash {BUILD_SCRIPT.relative_to(REPO)}` to retry.")
+    if time.monotonic() - t0 > 30:
+        print(f"[lws] controller built in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def _issue_serving_cert(pki: Path, out: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from pki import _issue, _name
+
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    crt, key = _issue(ca_key, ca_cert, _name("lws-webhook"), server_names=["127.0.0.1"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tls.crt").write_bytes(crt)  # controller-runtime's file names in webhook.certDir
+    (out / "tls.key").write_bytes(key)
+
+
+def webhook_configurations(manifest: str, port: int, ca_pem: bytes) -> list[dict]:
+    """Upstream's two webhook configurations with each service reference replaced by the local URL."""
+    bundle = base64.b64encode(ca_pem).decode()
+    out = []
+    for doc in yaml.safe_load_all(manifest):
+        if not doc:
+            continue
+        doc["metadata"]["name"] = f"lws-{doc['metadata']['name']}"
+        for hook in doc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": bundle}
+            if any("pods" in r.get("resources", []) for r in hook.get("rules", [])):
+                hook["objectSelector"] = POD_SELECTOR
+        out.append(doc)
+    return out
+
+
+def start(cluster: Cluster, timeout: float = 120.0) -> int:
+    """Start (or find running) the controller for `cluster`; returns its PID."""
+    state = json.loads(_state_path(cluster.workdir).read_text())
+    running = state["processes"].get(NAME)
+    if running and _is_ours(running["pid"], running["exe"]):
+        return running["pid"]
+    cache = build()
+    crd = cache / "crd" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+    # Server-side: the CRD (full pod templates) is larger than client-side apply's annotation limit.
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+    deadline = time.monotonic() + 60
+    # `kubectl wait` fails outright while the new CRD has no status.conditions yet: poll instead.
+    while cluster.kubectl("get", "crd/leaderworkersets.leaderworkerset.x-k8s.io", "-o",
+                          "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                          check=False).stdout != "True":
+        if time.monotonic() > deadline:
+            raise ClusterError("the LeaderWorkerSet CRD was not Established after 60s")
+        time.sleep(0.5)
+
+    home = cluster.workdir / "lws"
+    _issue_serving_cert(cluster.workdir / "pki", home / "certs")
+    webhook_port, health_port = free_port(), free_port()
+    config = {
+        "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+        "kind": "Configuration",
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(home / "certs")},
+        "metrics": {"bindAddress": "0"},  # off: nothing scrapes it here
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+    }
+    (home / "config.yaml").write_text(json.dumps(config, indent=2))
+    argv = [str(cache / "bin" / NAME), f"--config={home / 'config.yaml'}", f"--kubeconfig={cluster.kubeconfig}"]
+    proc = _start(cluster.workdir, state, NAME, argv)
+    log = cluster.workdir / "logs" / f"{NAME}.log"
+
+    def webhook_serves() -> bool:
+        ctx = ssl.create_default_context(cafile=str(cluster.workdir / "pki" / "ca.crt"))
+        with socket.create_connection(("127.0.0.1", webhook_port), timeout=2) as s, ctx.wrap_socket(
+                s, server_hostname="127.0.0.1"):
+            return True
+
+    _wait_until(webhook_serves, "the LWS controller's webhook server", proc, log, timeout)
+    hooks = webhook_configurations((cache / "webhook" / "manifests.yaml").read_text(), webhook_port,
+                                   (cluster.workdir / "pki" / "ca.crt").read_bytes())
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": hooks}))
+    return proc.pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="e2e/lws_controller.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=["up", "build"])
+    parser.add_argument("--workdir", type=Path, default=REPO / ".e2e")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "build":
+            print(build())
+        else:
+            print(f"lws-controller pid {start(load_cluster(args.workdir))}")
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
