@@ -58,7 +58,7 @@ class ModelProfile:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     aliases: tuple[str, ...] = field(default=(), compare=False)
-    source: str = "catalog"  # catalog | spec | catalog+spec | config.json | file
+    source: str = "catalog"  # catalog | spec | catalog+spec | hub | hub+spec | config.json | file
 
 
 MODEL_PROFILES: dict[str, ModelProfile] = {
@@ -210,12 +210,15 @@ def _complete(values: dict, name: str, source: str, attention_bias: bool = False
     return ModelProfile(name=name, source=source, **kwargs)
 
 
-def profile_from_hf_config(config: dict, name: str = "model") -> ModelProfile:
-    """A profile from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 style)."""
+def profile_from_hf_config(config: dict, name: str = "model", num_parameters: int | None = None,
+                           source: str = "config.json") -> ModelProfile:
+    """A profile from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 style); the parameter
+    count is estimated from the shape unless given (the Hub's safetensors metadata has it)."""
     values = {f: config.get(f) for f in SPEC_KEYS if f != "num_parameters"}
+    values["num_parameters"] = num_parameters
     # Qwen2 has biases on Q, K and V; Llama-style configs say so with attention_bias.
     bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
-    return _complete(values, name, "config.json", attention_bias=bias)
+    return _complete(values, name, source, attention_bias=bias)
 
 
 def profile_from_spec(spec_profile: dict | None, base: ModelProfile | None, name: str) -> ModelProfile:
@@ -240,7 +243,7 @@ def profile_from_spec(spec_profile: dict | None, base: ModelProfile | None, name
         values["num_parameters"] = None  # the base's count no longer describes this shape
     if base is None:
         return _complete(values, name, "spec")
-    return _complete(values, base.name, "catalog+spec")
+    return _complete(values, base.name, f"{base.source}+spec")
 
 
 def _shape_changed(base: ModelProfile, values: dict) -> bool:

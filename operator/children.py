@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 
+from tokenmill.operator import model_source
 from tokenmill.operator.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
 from tokenmill.operator.sizing import SizingPlan, gpus_per_pod
 from tokenmill.operator.spec import API_VERSION, KIND, ServiceSpec
@@ -14,14 +15,20 @@ SERVICE_LABEL = "serving.tokenmill.dev/inferenceservice"
 DESIRED_HASH = "serving.tokenmill.dev/desired-hash"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 ENGINE_UID = 1000  # the engine image's non-root user
-CACHE_DIR = "/cache"
-MODELS_DIR = "/models"
+CACHE_DIR = "/cache"  # HOME and XDG_CACHE_HOME: GGUF conversions, Triton caches (per pod, emptyDir)
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tokenmill/tokenmill:0.1.0"
 # Startup budget: a fixed part (CUDA init, GGUF conversion, CUDA-graph capture) plus reading the
 # weights at a pessimistic 100 MB/s (network volumes); users can set engine.startupTimeoutSeconds.
 STARTUP_BASE_SECONDS = 600
 STARTUP_BYTES_PER_SECOND = 100e6
+# hf:// models may be downloaded first (an empty cache): the whole checkpoint at a pessimistic 50 MB/s.
+STARTUP_DOWNLOAD_BYTES_PER_SECOND = 50e6
 STARTUP_PROBE_PERIOD = 10
+# Probe paths on the engine's HTTP port. Readiness is what the Service routes on: /health answers 503
+# while the model loads or downloads, when the engine core is dead or stalled, and while draining.
+# Liveness restarts a wedged pod.
+READINESS_PATH = "/health"
+LIVENESS_PATH = "/health"
 # SIGTERM drains in-flight generations; the engine must finish (or abort) them before the kubelet kills.
 TERMINATION_GRACE_SECONDS = 120
 SHUTDOWN_GRACE_SECONDS = 110
@@ -64,13 +71,17 @@ def endpoint(spec: ServiceSpec) -> str:
 def startup_timeout_seconds(spec: ServiceSpec, plan: SizingPlan) -> int:
     if spec.startup_timeout_seconds is not None:
         return spec.startup_timeout_seconds
-    return STARTUP_BASE_SECONDS + math.ceil(plan.weights_bytes_per_gpu / STARTUP_BYTES_PER_SECOND)
+    budget = STARTUP_BASE_SECONDS + math.ceil(plan.weights_bytes_per_gpu / STARTUP_BYTES_PER_SECOND)
+    if spec.model_scheme == "hf":
+        budget += math.ceil(plan.weights_bytes / STARTUP_DOWNLOAD_BYTES_PER_SECOND)
+    return budget
 
 
 def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
-    """`tokenmill serve` arguments: every sized number is explicit, so the pod runs what status says."""
+    """`tokenmill serve` arguments: every sized number is explicit, so the pod runs what status says.
+    The one place the engine's argv is written (tests run the engine's own parser on it)."""
     args = []
-    model = model_argument(spec)
+    model = model_source.model_argument(spec)
     if model is not None:
         args += ["--model", model]
     args += [
@@ -92,19 +103,6 @@ def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
     if not spec.enable_prefix_caching:
         args += ["--no-enable-prefix-caching"]
     return args
-
-
-def model_argument(spec: ServiceSpec) -> str | None:
-    """What --model gets: None for the bundled model (the engine's default), else a path or a repo id."""
-    scheme, path = spec.model_scheme, spec.model_path
-    if scheme == "bundled":
-        return None
-    if scheme == "pvc":
-        claim, _, sub = path.partition("/")
-        return f"{MODELS_DIR}/{claim}/{sub.strip('/')}"
-    if scheme == "file":
-        return "/" + path.lstrip("/")
-    return path  # hf://ORG/NAME -> ORG/NAME
 
 
 def _node_affinity(spec: ServiceSpec) -> dict:
@@ -131,7 +129,7 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict:
     }
 
 
-def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str) -> dict:
+def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: str | None = None) -> dict:
     """The engine pod template (metadata and spec) of a Deployment, or of a LeaderWorkerSet's leader."""
     t = spec.template
     gpus = str(gpus_per_pod(plan))
@@ -139,7 +137,7 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str) -> dict:
     env = [
         {"name": "HOME", "value": CACHE_DIR},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        *model_source.env(spec, hf_endpoint),
     ]
     if spec.api_key_secret is not None:
         secret, key = spec.api_key_secret
@@ -158,10 +156,9 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str) -> dict:
         # NCCL and the engine's IPC use shared memory; the container runtime's default is 64 MiB.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
     ]
-    if spec.model_scheme == "pvc":
-        claim = spec.model_path.partition("/")[0]
-        mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True})
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    model_volumes, model_mounts = model_source.volumes(spec)
+    volumes += model_volumes
+    mounts += model_mounts
 
     container = {
         "name": "engine",
@@ -175,9 +172,10 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str) -> dict:
             # No CPU limit: throttling stalls tokenization and streaming; memory and GPUs are hard limits.
             "limits": {"memory": spec.memory, GPU_RESOURCE: gpus},
         },
-        "startupProbe": _probe("/health", STARTUP_PROBE_PERIOD, math.ceil(startup / STARTUP_PROBE_PERIOD), 5),
-        "readinessProbe": _probe("/health", 5, 3, 3),
-        "livenessProbe": _probe("/health", 15, 4, 5),
+        # Startup: up to the startup budget (download + load) before the other two probes begin.
+        "startupProbe": _probe(READINESS_PATH, STARTUP_PROBE_PERIOD, math.ceil(startup / STARTUP_PROBE_PERIOD), 5),
+        "readinessProbe": _probe(READINESS_PATH, 5, 3, 3),  # out of the Service after 15 s of failures
+        "livenessProbe": _probe(LIVENESS_PATH, 15, 4, 5),  # restarted after 60 s of failures
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
@@ -223,7 +221,8 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str) -> dict:
     return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec}
 
 
-def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str) -> dict:
+def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str,
+                       hf_endpoint: str | None = None) -> dict:
     startup = startup_timeout_seconds(spec, plan)
     return stamp({
         "apiVersion": "apps/v1",
@@ -238,7 +237,7 @@ def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image
             # The Deployment must not call a slow model load a failed rollout.
             "progressDeadlineSeconds": startup + 300,
             "revisionHistoryLimit": 3,
-            "template": pod_template(spec, plan, image),
+            "template": pod_template(spec, plan, image, hf_endpoint),
         },
     })
 
@@ -279,6 +278,11 @@ def desired_pdb(spec: ServiceSpec) -> dict | None:
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     })
+
+
+def child_metadata(spec: ServiceSpec) -> dict:
+    """Name, namespace, labels and the owner reference every child carries."""
+    return _metadata(spec)
 
 
 def _metadata(spec: ServiceSpec) -> dict:

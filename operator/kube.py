@@ -6,6 +6,7 @@ runs the operator as a local process with a ServiceAccount token), else the in-c
 else ~/.kube/config.
 """
 
+import base64
 import datetime
 import json
 import os
@@ -25,6 +26,7 @@ RESOURCES = {
     "Pod": ("/api/v1", "pods"),
     "ResourceQuota": ("/api/v1", "resourcequotas"),
     "Secret": ("/api/v1", "secrets"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Event": ("/api/v1", "events"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
@@ -116,6 +118,17 @@ class KubeApi:
         if secret is None:
             return None
         return set((secret.get("data") or {}).keys()) | set((secret.get("stringData") or {}).keys())
+
+    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One value of a Secret (the Hugging Face token the operator's hub lookups send), None when the
+        Secret or the key is missing. Never logged nor written to status."""
+        secret = self.get("Secret", namespace, name)
+        if secret is None:
+            return None
+        if key in (secret.get("stringData") or {}):
+            return secret["stringData"][key]
+        raw = (secret.get("data") or {}).get(key)
+        return None if raw is None else base64.b64decode(raw).decode().strip()
 
     def create_event(self, obj: dict, type_: str, reason: str, message: str) -> None:
         meta = obj.get("metadata") or {}

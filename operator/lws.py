@@ -59,9 +59,10 @@ def worker_template(leader: dict) -> dict:
     return _with_role({"metadata": {**meta, "annotations": annotations}, "spec": spec}, WORKER)
 
 
-def desired_leaderworkerset(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str) -> dict:
+def desired_leaderworkerset(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str,
+                            hf_endpoint: str | None = None) -> dict:
     """`replicas` groups of `plan.nodes_per_replica` pods (LWS's spec.replicas counts groups)."""
-    leader = _with_role(children.pod_template(spec, plan, image), LEADER)
+    leader = _with_role(children.pod_template(spec, plan, image, hf_endpoint), LEADER)
     metadata = {**children._metadata(spec), "name": lws_name(spec)}
     return children.stamp({
         "apiVersion": API_VERSION,

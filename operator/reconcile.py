@@ -9,9 +9,9 @@ The decisions live elsewhere: the profile (profiles.py), the plan (sizing.py), t
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tokenmill.operator import autoscaler, children, lws, metrics
+from tokenmill.operator import autoscaler, children, lws, metrics, model_source
 from tokenmill.operator import replicas as rep
 from tokenmill.operator.catalog import GPU_TYPES, ProfileError
 from tokenmill.operator.conditions import (
@@ -22,8 +22,9 @@ from tokenmill.operator.conditions import (
     rollout_from,
     transition_events,
 )
+from tokenmill.operator.hub import HubCache, HubError, parse_hf_uri
 from tokenmill.operator.kube import KubeError, merge_patch
-from tokenmill.operator.profiles import resolve_profile
+from tokenmill.operator.profiles import hub_status, resolve_with_hub
 from tokenmill.operator.quota import cap_replicas
 from tokenmill.operator.secret_check import secret_problem
 from tokenmill.operator.sizing import gpus_per_replica, plan
@@ -39,6 +40,8 @@ class OperatorConfig:
     interval: float = 15.0  # seconds between autoscaling / drift passes per object
     metrics_timeout: float = 2.0
     stale_after: float = autoscaler.STALE_AFTER_SECONDS
+    hf_endpoint: str | None = None  # HF_ENDPOINT for the engine pods and the operator's hub lookups
+    hub: HubCache = field(default_factory=HubCache)
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -107,13 +110,16 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
 
     profile, sizing = None, None
     try:
-        profile = resolve_profile(spec)
+        profile, hub_model = resolve_with_hub(spec, _hub_lookup(api, spec, config))
         sizing = plan(profile, GPU_TYPES[spec.gpu_type], spec.engine, spec.gpu_count)
         status["sizing"] = plan_status(sizing, profile)
+        if hub_model is not None:
+            status["sizing"]["hub"] = hub_status(hub_model, profile)
         sized = Condition("Sized", "True" if sizing.feasible else "False", sizing.reason, sizing.message)
     except ProfileError as e:
         status["sizing"] = {"feasible": False, "reason": e.reason, "message": str(e), "gpuType": spec.gpu_type}
-        sized = Condition("Sized", "False", e.reason, str(e))
+        # An unreachable Hub says nothing about the model: whether it fits is unknown, not no.
+        sized = Condition("Sized", "Unknown" if e.reason == "HubUnreachable" else "False", e.reason, str(e))
 
     # The workload is a Deployment, or a LeaderWorkerSet of groups when a replica spans nodes (lws.py).
     # The LWS is read only when planned now or before, so single-node services need no LWS CRD or RBAC.
@@ -146,8 +152,8 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     if foreign:
         kinds = ", ".join(f"{k} {name}" for k in foreign)
         return stuck(("NameConflict", f"{kinds} already exists and is not owned by this InferenceService"))
-    if spec.api_key_secret is not None:
-        problem = secret_problem(api, ns, *spec.api_key_secret, "spec.apiKeySecretRef")
+    for ref, where in ((spec.api_key_secret, "spec.apiKeySecretRef"), (spec.token_secret, "spec.model.tokenSecretRef")):
+        problem = None if ref is None else secret_problem(api, ns, *ref, where)
         if problem is not None:
             return stuck(("SecretNotFound", problem))
 
@@ -173,12 +179,13 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     quota_cond = rep.quota_condition(cap)
 
     # --- children ---
+    _apply_cache_claim(api, spec, events)
     if multi:
-        desired = lws.desired_leaderworkerset(spec, sizing, replicas, config.engine_image)
+        desired = lws.desired_leaderworkerset(spec, sizing, replicas, config.engine_image, config.hf_endpoint)
         engine = desired["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
         shape = f"groups of {sizing.nodes_per_replica} pods x {sizing.tensor_parallel_size}"
     else:
-        desired = children.desired_deployment(spec, sizing, replicas, config.engine_image)
+        desired = children.desired_deployment(spec, sizing, replicas, config.engine_image, config.hf_endpoint)
         engine = desired["spec"]["template"]["spec"]["containers"][0]
         shape = f"replicas x {gpus_per_replica(sizing)}"
     workload = f"{workload_kind} {desired['metadata']['name']}"
@@ -225,3 +232,52 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     rollout = rollout_from(deployment, replicas, pods, floor, spec_changed)
     return finish(Facts(sized=sized, rollout=rollout, quota=quota_cond,
                         scaling=scaling_cond, endpoint=status["endpoint"]))
+
+
+def _hub_lookup(api, spec, config: OperatorConfig):
+    """lookup(with_config) for an hf:// model: the Hub asked with the token of spec.model.tokenSecretRef."""
+    if spec.model_scheme != "hf":
+        return None
+    repo, revision = parse_hf_uri(spec.model_uri)
+
+    def lookup(with_config: bool):
+        token = None
+        if spec.token_secret is not None:
+            try:
+                token = api.secret_value(spec.namespace, *spec.token_secret)
+            except KubeError as e:
+                if e.status != 403:  # forbidden: ask without a token; a gated repo then says so
+                    raise
+            else:
+                if token is None:  # say that, not "gated" (which the Hub would answer without a token)
+                    raise HubError("SecretNotFound", secret_problem(api, spec.namespace, *spec.token_secret,
+                                                                    "spec.model.tokenSecretRef") or "")
+        return config.hub.lookup(repo, revision, token, config.hf_endpoint, with_config)
+
+    return lookup
+
+
+def _apply_cache_claim(api, spec, events: list) -> None:
+    """The model cache PVC the operator creates from spec.model.cache.size (deleted again when the spec
+    names a claim or drops the cache). A claim's class and access mode cannot change once created: such
+    an edit is logged and left alone; only a larger size is applied (volume expansion)."""
+    if spec.model_scheme != "hf":
+        return
+    name = f"{spec.name}{model_source.CACHE_CLAIM_SUFFIX}"
+    max_replicas = spec.scaling.max_replicas if spec.scaling is not None else (spec.replicas or 0)
+    want = model_source.desired_cache_claim(spec, max_replicas, children.child_metadata(spec))
+    live = api.get("PersistentVolumeClaim", spec.namespace, name)
+    if want is None:
+        if live is not None and children.is_owned_by(live, spec):
+            api.delete("PersistentVolumeClaim", spec.namespace, name)
+        return
+    if live is None:
+        api.apply(want)
+        events.append(("Normal", "Created", f"PersistentVolumeClaim {name} ({spec.cache.size}) for the model cache"))
+    elif children.is_owned_by(live, spec) and children.differs(want, live):
+        fixed = {k: v for k, v in want["spec"].items() if k != "resources"}
+        if children.differs(fixed, live.get("spec") or {}):
+            log.warning("%s/%s: PersistentVolumeClaim %s keeps its storage class and access mode (immutable); "
+                        "delete it to recreate it", spec.namespace, spec.name, name)
+        else:
+            api.apply(want)

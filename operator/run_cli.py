@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, then in-cluster)")
     p.add_argument("--engine-image", default=os.environ.get("TOKENMILL_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
                    help="engine image for pods whose spec.template.image is unset ($TOKENMILL_ENGINE_IMAGE)")
+    p.add_argument("--hf-endpoint", default=os.environ.get("HF_ENDPOINT") or None, metavar="URL",
+                   help="Hugging Face Hub URL for hf:// models ($HF_ENDPOINT; default the public Hub): the "
+                        "operator's own lookups use it and engine pods get it as HF_ENDPOINT")
     p.add_argument("--interval", type=float, default=15.0,
                    help="seconds between autoscaling and drift-correction passes per InferenceService")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -58,7 +61,8 @@ def main(argv: list[str]) -> int:
     from tokenmill.operator.operator_metrics import serve as serve_metrics
     from tokenmill.operator.reconcile import OperatorConfig
 
-    config = OperatorConfig(engine_image=args.engine_image, interval=args.interval)
+    config = OperatorConfig(engine_image=args.engine_image, interval=args.interval,
+                            hf_endpoint=args.hf_endpoint.rstrip("/") if args.hf_endpoint else None)
     priority = None
     if args.peering:
         # Kopf pauses every operator that sees a live peer of equal priority: replicas need distinct ones.

@@ -5,6 +5,7 @@ stored before a CRD upgrade (or with validation bypassed) becomes a clear `Inval
 instead of a crash. The defaults here are the CRD's defaults (a test keeps them equal).
 """
 
+import re
 from dataclasses import dataclass, field
 
 from tokenmill.operator.catalog import GPU_TYPES
@@ -19,6 +20,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MODEL_SCHEMES = ("bundled", "pvc", "hf", "file")
 BUNDLED_MODELS = ("smollm2-135m-instruct",)
 VALID_GPU_COUNTS = (1, 2, 4, 8)
+# The Hub's repo id rules (ORG/NAME of letters, digits, '-', '_', '.'), then an optional @REVISION: a
+# branch, a tag or a commit sha. The CRD's CEL rule is the same pattern.
+HF_URI = re.compile(r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$")
+CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
 
 DEFAULTS = {
     "engine.dtype": "auto",
@@ -36,6 +41,7 @@ DEFAULTS = {
     "scaling.scaleDownStabilizationSeconds": 300,
     "scaling.metrics.source": "pods",
     "apiKeySecretRef.key": "api-key",
+    "model.tokenSecretRef.key": "HF_TOKEN",
 }
 
 
@@ -53,6 +59,16 @@ class ScalingSpec:
     metrics_source: str  # pods | prometheus
     prometheus_url: str | None = None
     prometheus_query: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """spec.model.cache: where hf:// downloads are kept for all pods of the service."""
+
+    claim_name: str | None  # an existing PVC the user names
+    size: str | None  # or the operator creates NAME-model-cache of this size
+    storage_class: str | None = None
+    access_mode: str | None = None  # None: ReadWriteMany when more than one replica is possible
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +92,8 @@ class ServiceSpec:
     scaling: ScalingSpec | None
     template: dict = field(default_factory=dict)
     api_key_secret: tuple[str, str] | None = None  # (name, key)
+    token_secret: tuple[str, str] | None = None  # (name, key): HF_TOKEN for gated hf:// models
+    cache: CacheSpec | None = None
 
     @property
     def model_scheme(self) -> str:
@@ -84,6 +102,11 @@ class ServiceSpec:
     @property
     def model_path(self) -> str:
         return self.model_uri.split("://", 1)[1]
+
+    @property
+    def model_name(self) -> str:
+        """The URI without its @REVISION: what the catalog is matched against."""
+        return self.model_uri.partition("@")[0] if self.model_scheme == "hf" else self.model_uri
 
 
 def _get(obj: dict, path: str, default=None):
@@ -146,6 +169,18 @@ def _parse(body: dict) -> ServiceSpec:
         raise SpecError(f"spec.model.uri {uri!r}: the bundled models are {', '.join(BUNDLED_MODELS)}")
     if scheme == "pvc" and "/" not in rest.strip("/"):
         raise SpecError(f"spec.model.uri {uri!r} must be pvc://CLAIM/PATH")
+    if scheme == "hf" and not HF_URI.match(uri):
+        raise SpecError(f"spec.model.uri {uri!r} must be hf://ORG/NAME or hf://ORG/NAME@REVISION")
+    if scheme == "file" and not rest.startswith("/"):
+        raise SpecError(f"spec.model.uri {uri!r} must be file:///ABSOLUTE/PATH")
+    token_secret, cache = None, None
+    if _get(spec, "model.tokenSecretRef") is not None:
+        token_secret = (_str(get("model.tokenSecretRef.name"), "spec.model.tokenSecretRef.name"),
+                        _str(get("model.tokenSecretRef.key"), "spec.model.tokenSecretRef.key"))
+    if _get(spec, "model.cache") is not None:
+        cache = _parse_cache(get)
+    if (token_secret or cache) and scheme != "hf":
+        raise SpecError("spec.model.tokenSecretRef and spec.model.cache apply to hf:// models only")
     profile = get("model.profile")
     if profile is not None and not isinstance(profile, dict):
         raise SpecError("spec.model.profile must be an object")
@@ -213,6 +248,28 @@ def _parse(body: dict) -> ServiceSpec:
         scaling=scaling,
         template=template,
         api_key_secret=secret,
+        token_secret=token_secret,
+        cache=cache,
+    )
+
+
+def _parse_cache(get) -> CacheSpec:
+    claim, size = get("model.cache.claimName"), get("model.cache.size")
+    if (claim is None) == (size is None):
+        raise SpecError("spec.model.cache takes claimName (an existing PersistentVolumeClaim) or size (the "
+                        "operator creates one), not both and not neither")
+    mode = get("model.cache.accessMode")
+    if mode is not None and mode not in CACHE_ACCESS_MODES:
+        raise SpecError(f"spec.model.cache.accessMode must be one of {', '.join(CACHE_ACCESS_MODES)}, got {mode!r}")
+    storage_class = get("model.cache.storageClassName")
+    if claim is not None and (storage_class is not None or mode is not None):
+        raise SpecError("spec.model.cache.storageClassName and accessMode describe a claim the operator "
+                        "creates: they go with size, not claimName")
+    return CacheSpec(
+        claim_name=None if claim is None else _str(claim, "spec.model.cache.claimName"),
+        size=None if size is None else _str(size, "spec.model.cache.size"),
+        storage_class=None if storage_class is None else _str(storage_class, "spec.model.cache.storageClassName"),
+        access_mode=mode,
     )
 
 

@@ -55,7 +55,7 @@ def test_gpu_limits_node_selection_and_tolerations():
     c = container(dep)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" == c["resources"]["requests"]["nvidia.com/gpu"]
     assert ["--tensor-parallel-size", "2"] == c["args"][-2:]
-    assert c["args"][:2] == ["--model", "meta-llama/Llama-3.1-70B-Instruct"]
+    assert c["args"][:2] == ["--model", "hf://meta-llama/Llama-3.1-70B-Instruct"]  # the engine fetches it
     pod = dep["spec"]["template"]["spec"]
     (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "In",
@@ -88,11 +88,13 @@ def test_probes_use_health_and_the_startup_budget_covers_loading():
     c = container(dep)
     for probe in ("readinessProbe", "startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    # 600 s + 16,060,522,496 bytes / 100 MB/s = 600 + 161 s; probed every 10 s
-    assert startup_timeout_seconds(spec, p) == 761
-    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 761
-    assert c["startupProbe"]["failureThreshold"] == 77
-    assert dep["spec"]["progressDeadlineSeconds"] > 761  # a slow load is not a failed rollout
+    # 600 s + 16,060,522,496 bytes read at 100 MB/s (161 s) + downloaded at 50 MB/s (322 s); every 10 s
+    assert startup_timeout_seconds(spec, p) == 1083
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1083
+    assert c["startupProbe"]["failureThreshold"] == 109
+    assert dep["spec"]["progressDeadlineSeconds"] > 1083  # a slow load is not a failed rollout
+    pvc_spec, pvc_plan, _ = build({"model": {"uri": "pvc://m/llama-3.1-8b"}, "resources": {"gpu": {"type": "nvidia-l4"}}})
+    assert startup_timeout_seconds(pvc_spec, pvc_plan) == 761  # nothing to download
     _spec2, _p2, dep2 = build(smol(engine={"startupTimeoutSeconds": 120}))
     assert container(dep2)["startupProbe"]["failureThreshold"] == 12
 
@@ -110,7 +112,7 @@ def test_restricted_security_context():
     assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim"} for v in pod["volumes"])
     # writable places for caches despite the read-only root filesystem
     mounts = {m["mountPath"] for m in container(dep)["volumeMounts"]}
-    assert {"/cache", "/tmp", "/dev/shm"} <= mounts
+    assert {"/cache", "/model-cache", "/tmp", "/dev/shm"} <= mounts
 
 
 def test_owner_references_and_labels_on_every_child():
@@ -201,7 +203,7 @@ def test_args_parse_with_the_real_server_parser():
     assert ns.kv_cache_memory == p.kv_cache_bytes and ns.num_kv_blocks is None
     assert ns.enable_prefix_caching is False and ns.max_waiting_requests == 256
     _, _, hf = build({"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"}, "resources": {"gpu": {"type": "nvidia-h100-80gb"}}})
-    assert build_parser().parse_args(container(hf)["args"]).model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert build_parser().parse_args(container(hf)["args"]).model == "hf://meta-llama/Llama-3.1-8B-Instruct"
 
 
 def test_no_surge_rollouts():

@@ -157,7 +157,9 @@ def full_object() -> dict:
         "kind": KIND,
         "metadata": {"name": "chat", "namespace": "team-a", "uid": "u1", "generation": 3},
         "spec": {
-            "model": {"uri": "pvc://models/my-llama/weights", "name": "my-llama",
+            "model": {"uri": "hf://acme/my-llama@v2", "name": "my-llama",
+                      "tokenSecretRef": {"name": "hf-token", "key": "HF_TOKEN"},
+                      "cache": {"size": "200Gi", "storageClassName": "fast-rwx", "accessMode": "ReadWriteMany"},
                       "profile": {"base": "Llama-3.1-8B", "parameters": 8_030_261_248, "layers": 32, "hiddenSize": 4096,
                                   "intermediateSize": 14336, "numAttentionHeads": 32, "numKeyValueHeads": 8,
                                   "headDim": 128, "vocabSize": 128256, "maxPositionEmbeddings": 131072,
@@ -199,12 +201,16 @@ def test_every_schema_field_is_read_by_the_parser(spec_schema):
     set_paths.discard("")
     leaves = {p for p, n in walk(spec_schema) if p and not n.get("properties") and not p.endswith("{}")}
     # replicas is exclusive with scaling: parsed in test_operator_reconcile's fixed-size objects
-    missing = {p for p in leaves if p not in set_paths and p != ".replicas"}
+    # and cache.claimName with cache.size: parsed below
+    missing = {p for p in leaves if p not in set_paths and p not in (".replicas", ".model.cache.claimName")}
     assert not missing, f"the example omits {missing}"
     assert set_paths <= schema_paths | {".template.tolerations[].key", ".template.tolerations[].operator",
                                         ".template.env[].value"}
     spec = parse_inference_service(obj)
     assert spec.scaling.prometheus_query and spec.engine.max_model_len == 8192 and spec.gpu_count == 1
+    assert spec.token_secret == ("hf-token", "HF_TOKEN") and spec.cache.storage_class == "fast-rwx"
+    obj["spec"]["model"]["cache"] = {"claimName": "shared-models"}
+    assert parse_inference_service(obj).cache.claim_name == "shared-models"
 
 
 def test_peering_crds_match_kopf():

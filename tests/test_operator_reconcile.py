@@ -4,6 +4,7 @@ import copy
 
 import pytest
 from tokenmill.operator import reconcile as rec
+from tokenmill.operator.hub import HubCache, HubError
 from tokenmill.operator.kube import KubeError, merge_patch
 from tokenmill.operator.metrics import PodReading
 
@@ -83,9 +84,16 @@ def add_isvc(api: FakeApi, spec: dict, name="chat", generation=1) -> dict:
     return body
 
 
-def run(api, name="chat", autoscale=False, now=1_000_000.0, **kw) -> dict:
+def offline(*a, **k):
+    raise HubError("HubUnreachable", "no Hub in unit tests")
+
+
+def run(api, name="chat", autoscale=False, now=1_000_000.0, config=None, **kw) -> dict:
+    """One reconcile; no Hub is asked (hf:// models the catalog has proceed as with an unreachable Hub;
+    the Hub lookups run against the Hub stand-in in tests/test_operator_hub.py)."""
     body = api.get("InferenceService", NS, name)
-    return rec.reconcile(api, body, rec.OperatorConfig(), autoscale=autoscale, now=now, **kw)
+    config = config or rec.OperatorConfig(hub=HubCache(fetcher=offline))
+    return rec.reconcile(api, body, config, autoscale=autoscale, now=now, **kw)
 
 
 def smol(**extra):
