@@ -7,6 +7,7 @@ The expected numbers are worked out by hand in the comments from the documented 
 import pytest
 from tokenmill.operator import lws
 from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES
+from tokenmill.operator.metrics import PodReading
 from tokenmill.operator.sizing import gpus_per_pod, gpus_per_replica, plan
 from tokenmill.operator.spec import parse_inference_service
 from tokenmill.operator.status_fields import plan_status
@@ -214,3 +215,27 @@ def test_single_node_services_never_read_leaderworkersets():
     api.get = lambda kind, ns, name: seen.append(kind) or get(kind, ns, name)
     run(api)
     assert "LeaderWorkerSet" not in seen  # no LWS CRD or RBAC needed for them
+
+
+def test_autoscaler_scales_groups_from_the_leaders_queue_depth():
+    api = FakeApi()
+    spec = {**BIG_SPEC, "scaling": {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 10}}
+    spec.pop("replicas")
+    add_isvc(api, spec, name="big")
+    run(api, name="big")
+    obj = api.objects[("LeaderWorkerSet", NS, "big-lws")]
+    assert obj["spec"]["replicas"] == 1
+    obj["status"] = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    _group_pods(api, 1)
+    scraped = []
+
+    def scrape(pods, timeout):
+        scraped.append(sorted(p["metadata"]["name"] for p in pods))
+        return {p["metadata"]["name"]: PodReading(running=25) for p in pods}
+
+    status = run(api, name="big", autoscale=True, scrape=scrape)
+    assert scraped == [["big-lws-0"]]  # the leader; the worker serves no metrics
+    # ceil(25 / 10) = 3 groups: the LWS's replicas (its scale subresource's field), not pods
+    assert api.objects[("LeaderWorkerSet", NS, "big-lws")]["spec"]["replicas"] == 3
+    assert any(e[1] == "ScaledUp" and "LeaderWorkerSet big-lws from 1 to 3 replicas" in e[2] for e in api.events)
+    assert status["desiredReplicas"] == 3
