@@ -11,7 +11,8 @@ from tokenmill.operator import children
 from tokenmill.operator.sizing import SizingPlan
 from tokenmill.operator.spec import ServiceSpec
 
-API_VERSION = "leaderworkerset.x-k8s.io/v1"
+GROUP, VERSION, PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
+API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "LeaderWorkerSet"
 # Which pod of a group this is: only leaders serve HTTP, so only they back the Service and are scraped.
 ROLE_LABEL = "serving.tokenmill.dev/role"
@@ -25,6 +26,15 @@ HEADLESS_FLAG = "--headless"
 
 def is_multi_node(plan: SizingPlan) -> bool:
     return plan.nodes_per_replica > 1
+
+
+def not_installed_message(plan: SizingPlan) -> str:
+    return (
+        f"the plan needs {plan.nodes_per_replica} nodes per replica (TP {plan.tensor_parallel_size} x PP "
+        f"{plan.pipeline_parallel_size} on {plan.gpu_type}), which runs as a LeaderWorkerSet, but the API server "
+        f"does not serve {PLURAL}.{GROUP}/{VERSION}: install the LeaderWorkerSet controller (sigs.k8s.io/lws), "
+        "or choose a GPU type or dtype that fits one node"
+    )
 
 
 def lws_name(spec: ServiceSpec) -> str:

@@ -152,6 +152,8 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     if foreign:
         kinds = ", ".join(f"{k} {name}" for k in foreign)
         return stuck(("NameConflict", f"{kinds} already exists and is not owned by this InferenceService"))
+    if multi and deployment is None and not api.has_resource(lws.GROUP, lws.VERSION, lws.PLURAL):
+        return stuck(("LeaderWorkerSetNotInstalled", lws.not_installed_message(sizing)))
     for ref, where in ((spec.api_key_secret, "spec.apiKeySecretRef"), (spec.token_secret, "spec.model.tokenSecretRef")):
         problem = None if ref is None else secret_problem(api, ns, *ref, where)
         if problem is not None:

@@ -12,7 +12,20 @@ from tokenmill.operator.sizing import gpus_per_pod, gpus_per_replica, plan
 from tokenmill.operator.spec import parse_inference_service
 from tokenmill.operator.status_fields import plan_status
 
-from tests.test_operator_reconcile import NS, FakeApi, add_isvc, cond, gpu_quota, run
+from tests.test_operator_reconcile import NS, add_isvc, cond, gpu_quota, run
+from tests.test_operator_reconcile import FakeApi as SingleNodeFakeApi
+
+
+class FakeApi(SingleNodeFakeApi):
+    """With API discovery: whether the LeaderWorkerSet CRD is served."""
+
+    def __init__(self, lws_installed: bool = True):
+        super().__init__()
+        self.lws_installed = lws_installed
+
+    def has_resource(self, group, version, plural):
+        assert (group, version, plural) == ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
+        return self.lws_installed
 
 BIG = "Llama-3.1-405B"
 
@@ -239,3 +252,15 @@ def test_autoscaler_scales_groups_from_the_leaders_queue_depth():
     assert api.objects[("LeaderWorkerSet", NS, "big-lws")]["spec"]["replicas"] == 3
     assert any(e[1] == "ScaledUp" and "LeaderWorkerSet big-lws from 1 to 3 replicas" in e[2] for e in api.events)
     assert status["desiredReplicas"] == 3
+
+
+def test_without_the_lws_crd_the_service_stalls_with_a_reason():
+    api = FakeApi(lws_installed=False)
+    add_isvc(api, BIG_SPEC, name="big")
+    status = run(api, name="big")
+    stalled = cond(status, "Stalled")
+    assert (stalled["status"], stalled["reason"]) == ("True", "LeaderWorkerSetNotInstalled")
+    assert "2 nodes per replica (TP 8 x PP 2 on nvidia-h100-80gb)" in stalled["message"]
+    assert "leaderworkersets.leaderworkerset.x-k8s.io/v1" in stalled["message"]
+    assert not [w for w in api.writes if w[0] == "apply" and w[1] in ("LeaderWorkerSet", "Deployment")]
+    assert cond(status, "Sized")["status"] == "True"  # the plan itself is fine
