@@ -81,10 +81,8 @@ def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
     """`tokenmill serve` arguments: every sized number is explicit, so the pod runs what status says.
     The one place the engine's argv is written (tests run the engine's own parser on it)."""
     args = []
-    model = model_source.model_argument(spec)
-    if model is not None:
-        args += ["--model", model]
     args += [
+        "--model", model_source.model_argument(spec),
         "--host", "0.0.0.0",
         "--port", str(PORT),
         "--served-model-name", spec.served_model_name,

@@ -15,17 +15,10 @@ HF_HOME = f"{MODEL_CACHE_DIR}/huggingface"
 CACHE_CLAIM_SUFFIX = "-model-cache"
 
 
-def model_argument(spec: ServiceSpec) -> str | None:
-    """What --model gets: None for the bundled model (the engine's default), the mounted path for
-    pvc://, the path for file://, and the hf:// URI as it is (revision included) for the engine to fetch."""
-    scheme, path = spec.model_scheme, spec.model_path
-    if scheme == "bundled":
-        return None
-    if scheme == "pvc":
-        claim, _, sub = path.partition("/")
-        return f"{MODELS_DIR}/{claim}/{sub.strip('/')}"
-    if scheme == "file":
-        return "/" + path.lstrip("/")
+def model_argument(spec: ServiceSpec) -> str:
+    """What --model gets: the URI as written. The engine (engine/model_source.py) reads every scheme:
+    pvc://CLAIM/PATH as MODELS_DIR/CLAIM/PATH, where volumes() mounts the claim; hf:// with its
+    @REVISION from the Hub into HF_HOME; file:// and bundled:// from the image."""
     return spec.model_uri
 
 

@@ -41,7 +41,7 @@ def test_bundled_model_args_are_the_sized_numbers():
     # SmolLM2 on one L4 (tests/test_operator_sizing.py): 51,467 blocks x 16 tokens x 23,040 bytes
     assert container(dep)["command"] == ["tokenmill", "serve"]
     assert container(dep)["args"] == [
-        "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "chat", "--max-model-len", "8192",
+        "--model", "bundled://smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "chat", "--max-model-len", "8192",
         "--max-num-seqs", "256", "--block-size", "16", "--kv-cache-memory", str(51_467 * 16 * 23_040),
         "--dtype", "bfloat16", "--max-waiting-requests", "256", "--shutdown-grace-period", "110",
     ]
@@ -152,7 +152,7 @@ def test_pdb_only_when_more_than_one_replica_is_possible(extra, wanted):
 def test_pvc_model_is_mounted_read_only():
     _, _, dep = build({"model": {"uri": "pvc://models/llama-3.1-8b-instruct/"}, "resources": {"gpu": {"type": "nvidia-a100-80gb"}}})
     c = container(dep)
-    assert c["args"][:2] == ["--model", "/models/models/llama-3.1-8b-instruct"]
+    assert c["args"][:2] == ["--model", "pvc://models/llama-3.1-8b-instruct/"]  # the engine reads /models/CLAIM/PATH
     assert {"name": "model", "mountPath": "/models/models", "readOnly": True} in c["volumeMounts"]
     vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
     assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
@@ -198,7 +198,8 @@ def test_args_parse_with_the_real_server_parser():
     _spec, p, dep = build(smol(engine={"enablePrefixCaching": False, "maxNumSeqs": 32},
                               apiKeySecretRef={"name": "k"}))
     ns = build_parser().parse_args(container(dep)["args"])
-    assert (ns.model, ns.host, ns.port, ns.served_model_name) == (None, "0.0.0.0", 8000, ["chat"])
+    assert (ns.model, ns.host, ns.port, ns.served_model_name) == ("bundled://smollm2-135m-instruct", "0.0.0.0", 8000,
+                                                                  ["chat"])
     assert (ns.max_model_len, ns.max_num_seqs, ns.block_size, ns.dtype) == (8192, 32, 16, "bfloat16")
     assert ns.kv_cache_memory == p.kv_cache_bytes and ns.num_kv_blocks is None
     assert ns.enable_prefix_caching is False and ns.max_waiting_requests == 256
