@@ -2,17 +2,19 @@
 
 - InferenceService watch events reconcile an object when it is new (or listed at startup) or its
   generation is ahead of status.observedGeneration.
-- A per-object loop (a Kopf daemon) runs the autoscaler and corrects drift every `interval` seconds.
+- A per-object loop (our own asyncio task, started from the watch events) runs the autoscaler and
+  corrects drift every `interval` seconds, pausing with Kopf's peering (leadership.py).
 - Deployment watch events (ours only, by label) reconcile the owner, so status follows rollouts and
   a hand-edited Deployment is put back at once.
 
 Kopf writes nothing to our objects: there are no changing handlers (so no progress or diff-base
-annotations) and the daemon does not ask for a finalizer, so deleting an InferenceService is never
-blocked by an operator that is down. What little Kopf could store goes to status.kopf.
+annotations) and no daemons or timers (Kopf puts a finalizer on every object that has one, which would
+block deleting an InferenceService whenever the operator is down). Only Kopf's public decorators are
+used. What little Kopf could store goes to status.kopf.
 """
 
 import asyncio
-import dataclasses
+import datetime
 import logging
 import os
 
@@ -20,6 +22,7 @@ import kopf
 from tokenmill.operator import reconcile as rec
 from tokenmill.operator.children import MANAGED_BY, OPERATOR_NAME
 from tokenmill.operator.kube import KubeApi
+from tokenmill.operator.leadership import acting
 from tokenmill.operator.operator_metrics import RECONCILE_SECONDS, RECONCILES
 from tokenmill.operator.spec import GROUP, KIND, PLURAL, VERSION
 
@@ -40,6 +43,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
         memo.api = KubeApi()
     if getattr(memo, "config", None) is None:
         memo.config = rec.OperatorConfig()
+    if getattr(memo, "loops", None) is None:
+        memo.loops = {}  # (namespace, name) -> (uid, asyncio task)
     try:
         installed = memo.api.has_resource(GROUP, VERSION, PLURAL)
     except Exception as e:
@@ -87,22 +92,67 @@ def on_deployment_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> N
         _safe_reconcile(memo, service, autoscale=False)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10)
-async def keep_serving(stopped: kopf.DaemonStopped, name: str, namespace: str, uid: str, memo: kopf.Memo, **_) -> None:
+@kopf.on.event(GROUP, VERSION, PLURAL, id="loops")
+async def track_loops(event: dict, name: str, namespace: str, uid: str, memo: kopf.Memo, **_) -> None:
+    """One loop per live InferenceService: started by its first event (only an acting replica gets
+    events), stopped by its deletion or by the loop itself when the object is gone."""
+    key = (namespace, name)
+    known = memo.loops.get(key)
+    if event.get("type") == "DELETED":
+        if known is not None and known[0] == uid:
+            known[1].cancel()
+            memo.loops.pop(key, None)
+        return
+    if known is not None and known[0] == uid and not known[1].done():
+        return
+    if known is not None:
+        known[1].cancel()  # a new object under the same name
+    memo.loops[key] = (uid, asyncio.create_task(keep_serving(memo, namespace, name, uid),
+                                                name=f"tokenmill loop {namespace}/{name}"))
+
+
+@kopf.on.cleanup()
+async def stop_loops(memo: kopf.Memo, **_) -> None:
+    for _uid, task in list((getattr(memo, "loops", None) or {}).values()):
+        task.cancel()
+
+
+def _acting(memo: kopf.Memo, namespace: str) -> bool:
+    """Standalone: always. Peered: by the peering object's heartbeats (leadership.py); unreadable
+    counts as not acting, so two replicas never both scale."""
+    peering = getattr(memo, "peering", None)
+    if peering is None:
+        return True
+    name, priority, clusterwide = peering
+    try:
+        obj = (memo.api.get("ClusterKopfPeering", None, name) if clusterwide
+               else memo.api.get("KopfPeering", namespace, name))
+    except Exception as e:
+        log.warning("cannot read the peering object %s: %s; pausing this pass", name, e)
+        return False
+    return acting((obj or {}).get("status"), priority, datetime.datetime.now(datetime.UTC))
+
+
+async def keep_serving(memo: kopf.Memo, namespace: str, name: str, uid: str) -> None:
     """Autoscaling and drift correction every `interval` seconds, for as long as the object exists."""
     interval = memo.config.interval
-    while not stopped:
-        await stopped.wait(interval)
-        if stopped:
-            return
-        try:
-            body = await asyncio.to_thread(memo.api.get, "InferenceService", namespace, name)
-        except Exception as e:
-            log.warning("cannot read InferenceService %s/%s: %s", namespace, name, e)
-            continue
-        if body is None or body["metadata"].get("uid") != uid:
-            return  # deleted (or replaced by a new object with its own loop)
-        await asyncio.to_thread(_safe_reconcile, memo, body, True)
+    try:
+        while True:
+            await asyncio.sleep(interval)
+            if not await asyncio.to_thread(_acting, memo, namespace):
+                continue  # a standby: the acting replica does this pass
+            try:
+                body = await asyncio.to_thread(memo.api.get, "InferenceService", namespace, name)
+            except Exception as e:
+                log.warning("cannot read InferenceService %s/%s: %s", namespace, name, e)
+                continue
+            if body is None or body["metadata"].get("uid") != uid:
+                return  # deleted (or replaced by a new object with its own loop)
+            await asyncio.to_thread(_safe_reconcile, memo, body, True)
+    finally:
+        known = memo.loops.get((namespace, name))
+        if known is not None and known[0] == uid and known[1] is asyncio.current_task():
+            memo.loops.pop((namespace, name), None)
 
 
 def _safe_reconcile(memo: kopf.Memo, body: dict, autoscale: bool) -> None:
@@ -134,16 +184,6 @@ def run(
         peering_name=peering,
         priority=priority,
         liveness_endpoint=liveness,
-        memo=kopf.Memo(config=config),
+        memo=kopf.Memo(config=config, loops={},
+                       peering=None if peering is None else (peering, priority or 0, not namespaces)),
     )
-
-
-def _drop_finalizer_requirement(registry: kopf.OperatorRegistry) -> None:
-    """Kopf asks for a finalizer on objects with daemons so it can stop them on deletion. Ours stops
-    by itself when the object is gone, and a finalizer would block deletion whenever the operator is
-    down (stuck namespaces after an uninstall), so the requirement is dropped."""
-    spawning = registry._spawning
-    spawning._handlers[:] = [dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers]
-
-
-_drop_finalizer_requirement(kopf.get_default_registry())

@@ -29,6 +29,9 @@ RESOURCES = {
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Event": ("/api/v1", "events"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    # Kopf's peering objects: read by the per-object loops to pause with Kopf (leadership.py).
+    "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings"),
+    "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings"),
 }
 
 
@@ -38,9 +41,10 @@ class KubeError(Exception):
         self.status = status
 
 
-def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+def path(kind: str, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
+    """The REST path; namespace None for cluster-scoped kinds."""
     prefix, plural = RESOURCES[kind]
-    out = f"{prefix}/namespaces/{quote(namespace)}/{plural}"
+    out = f"{prefix}/{plural}" if namespace is None else f"{prefix}/namespaces/{quote(namespace)}/{plural}"
     if name is not None:
         out += f"/{quote(name)}"
     if sub is not None:
@@ -87,7 +91,7 @@ class KubeApi:
             raise KubeError(rsp.status, f"{method} {url_path}: {message}")
         return json.loads(data) if data else None
 
-    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+    def get(self, kind: str, namespace: str | None, name: str) -> dict | None:
         return self.request("GET", path(kind, namespace, name))
 
     def list(self, kind: str, namespace: str, label_selector: str | None = None) -> list[dict]:

@@ -2,20 +2,23 @@
 against a fake API. The operator against a real API server is the e2e suite's job."""
 
 import asyncio
+import datetime
+import pathlib
 import types
 
 import kopf
 import pytest
 from tokenmill.operator import handlers
 from tokenmill.operator import reconcile as rec
+from tokenmill.operator.leadership import acting
 
 
 def test_kopf_writes_nothing_to_our_objects():
     registry = kopf.get_default_registry()
     # no on.create/update/resume handlers: no progress or last-handled-configuration annotations
     assert registry._changing.get_all_handlers() == []
-    spawning = registry._spawning.get_all_handlers()
-    assert len(spawning) == 1 and all(h.requires_finalizer is False for h in spawning)
+    # no daemons or timers: Kopf would put a finalizer on every InferenceService for them
+    assert registry._spawning.get_all_handlers() == []
     watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
     assert watched == {("serving.tokenmill.dev", "inferenceservices"), ("apps", "deployments")}
 
@@ -73,39 +76,92 @@ def test_a_failing_reconcile_does_not_escape(monkeypatch, caplog):
     assert "reconcile of InferenceService ns/chat failed" in caplog.text
 
 
-class Stopped:
-    """Stands in for kopf.DaemonStopped: false until `stop_after` waits."""
-
-    def __init__(self, stop_after=100):
-        self.waits, self.stop_after = 0, stop_after
-
-    def __bool__(self):
-        return self.waits > self.stop_after
-
-    async def wait(self, timeout=None):
-        self.waits += 1
-        await asyncio.sleep(0)
+def test_handlers_use_only_kopfs_public_api():
+    """Review finding (issue 14): the handlers rewrote Kopf's private registry._spawning._handlers."""
+    source = pathlib.Path(handlers.__file__).read_text()
+    assert "._" not in source.replace("._safe", "").replace("__", ""), "a private Kopf attribute is used"
 
 
-def test_daemon_exits_when_the_object_is_gone(monkeypatch):
+def loop_memo(api, peering=None):
+    memo = memo_with(api)
+    memo.loops, memo.peering = {}, peering
+    return memo
+
+
+class Api2(Api):
+    """Answers `obj` for the first `live` reads of the InferenceService, then None (deleted)."""
+
+    def __init__(self, obj, live=3, peering=None):
+        super().__init__(obj)
+        self.live, self.peering, self.peering_reads = live, peering, 0
+
+    def get(self, kind, ns, name):
+        if kind.endswith("KopfPeering"):
+            self.peering_reads += 1
+            return self.peering
+        self.gets += 1
+        return self.obj if self.gets <= self.live else None
+
+
+def test_the_loop_autoscales_each_tick_until_the_object_is_gone(monkeypatch):
     calls = []
     monkeypatch.setattr(rec, "reconcile", lambda api, body, config, autoscale: calls.append(autoscale))
-    api = Api(None)
-    asyncio.run(handlers.keep_serving(stopped=Stopped(), name="chat", namespace="ns", uid="u1", memo=memo_with(api)))
-    assert api.gets == 1 and calls == []
-
-
-def test_daemon_autoscales_each_tick_until_stopped(monkeypatch):
-    calls = []
-    monkeypatch.setattr(rec, "reconcile", lambda api, body, config, autoscale: calls.append(autoscale))
-    api = Api({"metadata": {"name": "chat", "namespace": "ns", "uid": "u1"}})
-    asyncio.run(handlers.keep_serving(stopped=Stopped(stop_after=3), name="chat", namespace="ns", uid="u1",
-                                      memo=memo_with(api)))
-    assert calls == [True, True, True]
+    api = Api2({"metadata": {"name": "chat", "namespace": "ns", "uid": "u1"}}, live=3)
+    asyncio.run(asyncio.wait_for(handlers.keep_serving(loop_memo(api), "ns", "chat", "u1"), 10))
+    assert calls == [True, True, True] and api.gets == 4
     # a new object with the same name has its own loop: this one stops
-    api = Api({"metadata": {"name": "chat", "namespace": "ns", "uid": "other"}})
-    asyncio.run(handlers.keep_serving(stopped=Stopped(), name="chat", namespace="ns", uid="u1", memo=memo_with(api)))
+    api = Api2({"metadata": {"name": "chat", "namespace": "ns", "uid": "other"}})
+    asyncio.run(asyncio.wait_for(handlers.keep_serving(loop_memo(api), "ns", "chat", "u1"), 10))
     assert len(calls) == 3
+
+
+def peer(priority, age_s=1, lifetime=60):
+    seen = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=age_s)
+    return {"priority": priority, "lifetime": lifetime, "lastseen": seen.isoformat()}
+
+
+def test_leadership_follows_kopfs_rule():
+    assert acting({"me": peer(5), "other": peer(3)}, 5)
+    assert not acting({"me": peer(5), "other": peer(9)}, 5)
+    assert acting({"me": peer(5), "other": peer(9, age_s=120)}, 5)  # a dead peer does not count
+    assert not acting({"me": peer(5), "twin": peer(5)}, 5)  # Kopf pauses every replica then
+    assert acting(None, 5) and acting({"me": peer(5), "junk": {"priority": 9}}, 5)
+
+
+def test_a_standby_loop_reconciles_nothing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rec, "reconcile", lambda api, body, config, autoscale: calls.append(autoscale))
+    obj = {"metadata": {"name": "chat", "namespace": "ns", "uid": "u1"}}
+    api = Api2(obj, peering={"status": {"me": peer(5), "active": peer(9)}})
+
+    async def a_few_ticks():
+        task = asyncio.create_task(handlers.keep_serving(loop_memo(api, ("p", 5, True)), "ns", "chat", "u1"))
+        while api.peering_reads < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(a_few_ticks(), 10))
+    assert calls == [] and api.gets == 0
+    api = Api2(obj, live=1, peering={"status": {"me": peer(5), "standby": peer(2)}})
+    asyncio.run(asyncio.wait_for(handlers.keep_serving(loop_memo(api, ("p", 5, True)), "ns", "chat", "u1"), 10))
+    assert calls == [True]
+
+
+def test_events_start_one_loop_per_object_and_deletion_stops_it():
+    api = Api2({"metadata": {"name": "chat", "namespace": "ns", "uid": "u1"}}, live=10**6)
+    memo = loop_memo(api)
+    memo.config = rec.OperatorConfig(interval=3600)
+
+    async def events():
+        for type_ in (None, "MODIFIED", "MODIFIED"):
+            await handlers.track_loops(event={"type": type_}, name="chat", namespace="ns", uid="u1", memo=memo)
+        assert len(memo.loops) == 1
+        (_uid, task) = memo.loops[("ns", "chat")]
+        await handlers.track_loops(event={"type": "DELETED"}, name="chat", namespace="ns", uid="u1", memo=memo)
+        await asyncio.sleep(0)
+        assert memo.loops == {} and task.cancelled()
+
+    asyncio.run(asyncio.wait_for(events(), 10))
 
 
 def test_startup_refuses_to_run_without_the_crd():
