@@ -4,8 +4,8 @@
   generation is ahead of status.observedGeneration.
 - A per-object loop (our own asyncio task, started from the watch events) runs the autoscaler and
   corrects drift every `interval` seconds, pausing with Kopf's peering (leadership.py).
-- Deployment watch events (ours only, by label) reconcile the owner, so status follows rollouts and
-  a hand-edited Deployment is put back at once.
+- Deployment and LeaderWorkerSet watch events (ours only, by label) reconcile the owner, so status
+  follows rollouts and a hand-edited child is put back at once.
 
 Kopf writes nothing to our objects: there are no changing handlers (so no progress or diff-base
 annotations) and no daemons or timers (Kopf puts a finalizer on every object that has one, which would
@@ -81,7 +81,11 @@ def on_service_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None
         _safe_reconcile(memo, dict(body), autoscale=False)
 
 
+# LeaderWorkerSets too (multi-node replicas), when their CRD is installed before the operator starts
+# (resources are resolved once; without it Kopf logs them as unresolved and the per-object loop still
+# follows their status every interval).
 @kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY: OPERATOR_NAME})
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels={MANAGED_BY: OPERATOR_NAME})
 def on_deployment_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
     meta = body.get("metadata", {})
     owner = next((r for r in meta.get("ownerReferences") or [] if r.get("kind") == KIND), None)

@@ -20,12 +20,14 @@ def test_kopf_writes_nothing_to_our_objects():
     # no daemons or timers: Kopf would put a finalizer on every InferenceService for them
     assert registry._spawning.get_all_handlers() == []
     watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
-    assert watched == {("serving.tokenmill.dev", "inferenceservices"), ("apps", "deployments")}
+    assert watched == {("serving.tokenmill.dev", "inferenceservices"), ("apps", "deployments"),
+                       ("leaderworkerset.x-k8s.io", "leaderworkersets")}
 
 
 def test_deployment_watch_is_filtered_to_ours():
-    (h,) = [h for h in kopf.get_default_registry()._watching.get_all_handlers() if h.selector.group == "apps"]
-    assert h.labels == {"app.kubernetes.io/managed-by": "tokenmill-operator"}
+    for group in ("apps", "leaderworkerset.x-k8s.io"):
+        (h,) = [h for h in kopf.get_default_registry()._watching.get_all_handlers() if h.selector.group == group]
+        assert h.labels == {"app.kubernetes.io/managed-by": "tokenmill-operator"}
 
 
 @pytest.mark.parametrize(("event", "gen", "observed", "wanted"), [
