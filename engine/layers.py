@@ -5,6 +5,7 @@ normalised value cast back before the weight multiply, cos/sin computed in fp32 
 dtype), so fp32 outputs agree with transformers to rounding and bf16 outputs round the same way.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,20 @@ PREPACK_MIN_ROWS = 2
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN prepacking is for bf16 on CPUs; fp32 stays on F.linear (the parity reference path)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_can_reorder_bf16()
+
+
+@functools.cache
+def _cpu_can_reorder_bf16() -> bool:
+    """oneDNN's bf16 reorder needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT; on other CPUs (AVX2-only
+    EPYCs, for one) it raises at model load, so ask the CPU once with a tiny weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), PREPACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
