@@ -269,3 +269,26 @@ def test_items_others_add_to_named_lists_are_not_drift_but_our_removals_are():
     live2 = copy.deepcopy(dep)
     live2["spec"]["template"]["spec"]["tolerations"].append({"key": "other"})  # atomic list: ours to replace
     assert differs(dep, live2)
+
+
+def test_probe_paths_are_served_by_the_engine_without_credentials():
+    """The probes' paths against the real server app (loading, with an API key): kubelets send no
+    Authorization header, so a probe path must answer 503 (not ready yet) or 200, never 401 or 404."""
+    import asyncio
+
+    import httpx
+    from tokenmill.engine.entrypoints.api_server import build_app
+    from tokenmill.engine.entrypoints.server_state import ServerState
+
+    _, _, dep = build(smol())
+    c = container(dep)
+    app = build_app(ServerState(served_model_names=["chat"], api_key="sekrit"))
+
+    async def get(path: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pod") as client:
+            return (await client.get(path)).status_code
+
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] == "http"
+        assert asyncio.run(get(c[probe]["httpGet"]["path"])) in (200, 503), probe
+    assert asyncio.run(get(c["readinessProbe"]["httpGet"]["path"])) == 503  # loading: no traffic yet
