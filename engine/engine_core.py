@@ -18,6 +18,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.structured_output_manager import StructuredOutputManager, accept_token
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class EngineCore:
             device=self.device,
             enforce_eager=config.enforce_eager,
         )
+        self.structured_outputs = StructuredOutputManager(self.model_path, mc.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
         self.capacity = EngineCapacity(
             num_kv_blocks=num_blocks,
@@ -184,7 +186,7 @@ class EngineCore:
         bad = [t for t in [*p.logit_bias, *p.stop_token_ids] if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids in logit_bias/stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
-        if req.request_id in self.scheduler.requests:
+        if req.request_id in self.scheduler.requests or self.structured_outputs.has_request(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         seqs = []
         for i in range(p.n):
@@ -206,26 +208,32 @@ class EngineCore:
                     generator=gen,
                 )
             )
-        first = seqs[0]
-        first.fork_children = seqs[1:]
-        self.scheduler.add_request(first)
-        self.scheduler.requests[req.request_id].extend(seqs[1:])
+        seqs[0].fork_children = seqs[1:]
         self.counters.num_prompt_tokens += len(ids)
+        if p.structured_outputs is not None:
+            self.structured_outputs.submit(seqs)  # enters the scheduler once its grammar is compiled
+        else:
+            self._schedule_seqs(seqs)
+
+    def _schedule_seqs(self, seqs: list[Request]) -> None:
+        self.scheduler.add_request(seqs[0])
+        self.scheduler.requests[seqs[0].request_id].extend(seqs[1:])
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            self.structured_outputs.abort(rid)
             self.scheduler.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured_outputs.pending)
 
     def num_kv_blocks_in_use(self) -> int:
         return self.kv.num_used_blocks
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> tuple[list[EngineCoreOutput], SchedulerStats]:
+        outputs = self._admit_compiled()
         sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = []
         if sched.scheduled:
             block_ids = [self.kv.block_ids(r) for r, _ in sched.scheduled]
             tokens, logprobs, sampled = self.runner.execute(sched.scheduled, block_ids)
@@ -263,6 +271,22 @@ class EngineCore:
         )
         return outputs, stats
 
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move requests whose grammar finished compiling into the scheduler; a failed compile ends the
+        request (the API process validates first, so this is the offline or racing case)."""
+        idle = not self.scheduler.has_unfinished()
+        outputs = []
+        for seqs, err in self.structured_outputs.pop_ready(wait=idle):
+            if err is None:
+                self._schedule_seqs(seqs)
+                continue
+            logger.warning("request %s: its grammar failed to compile: %s", seqs[0].request_id, err)
+            for seq in seqs:
+                outputs.append(
+                    EngineCoreOutput(seq.request_id, seq.index, [], finish_reason="abort", stop_reason=str(err))
+                )
+        return outputs
+
     def _fork_children(self, parent: Request) -> None:
         # Share the prompt's full blocks, leaving at least one token for each child to compute: it
         # needs its own logits to sample its first token.
@@ -279,7 +303,9 @@ class EngineCore:
         reason: str | None = None
         stop_reason: int | str | None = None
         n_out = req.num_output_tokens
-        if n_out >= p.min_tokens:
+        if req.grammar is not None and accept_token(req, token):
+            reason = "stop"  # the grammar accepted a stop token or can take nothing more
+        elif n_out >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 reason = "stop"
             elif token in p.stop_token_ids:

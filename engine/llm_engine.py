@@ -38,6 +38,9 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
+        if params.structured_outputs is not None:
+            # Offline: compile here so a bad spec raises ValueError now (cached for the engine's matcher).
+            self.core.structured_outputs.compile(params.structured_outputs)
         rid = request_id if request_id is not None else str(next(self._ids))
         now = time.monotonic()
         self.core.add_request(EngineCoreRequest(rid, prompt_token_ids, params, now, priority))

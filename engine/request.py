@@ -3,6 +3,7 @@
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tokenmill.engine.sampling_params import SamplingParams
@@ -37,6 +38,8 @@ class Request:
     seq_no: int = field(default_factory=lambda: next(_seq_counter))
     # n > 1: choices other than 0 wait for choice 0's prompt, then share its full prompt blocks.
     fork_children: list["Request"] = field(default_factory=list)
+    # structured outputs: this sequence's xgrammar GrammarMatcher (structured_output_manager.py)
+    grammar: Any = None
 
     @property
     def key(self) -> str:

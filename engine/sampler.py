@@ -1,6 +1,7 @@
 """Vectorized sampling over the step's batch, with vLLM's SamplingParams semantics."""
 
 import torch
+import xgrammar as xgr
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 
@@ -16,6 +17,11 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        # Structured outputs: xgrammar's packed allowed-token bitmask (int32 words, bit j of word k is
+        # token 32k+j), grown to the largest batch seen and reused; matchers fill it on the CPU.
+        self._bitmask = torch.empty(0, (vocab_size + 31) // 32, dtype=torch.int32)
+        self._bit_shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: float32 [len(reqs), vocab]. Returns one token per row and its logprobs where asked."""
@@ -29,6 +35,7 @@ class Sampler:
 
         logits = self._apply_bias_and_masks(logits, reqs)
         logits = self._apply_penalties(logits, reqs)
+        logits = self._apply_grammar(logits, reqs)
 
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
@@ -68,9 +75,10 @@ class Sampler:
                 cols.append(tok)
                 vals.append(bias)
             if r.num_output_tokens < p.min_tokens:
-                # EOS and stop tokens may not end the output before min_tokens.
+                # EOS and stop tokens may not end the output before min_tokens. With a grammar, the
+                # grammar alone decides where EOS may come (banning it could leave no allowed token).
                 banned = set(p.stop_token_ids)
-                if not p.ignore_eos:
+                if not p.ignore_eos and r.grammar is None:
                     banned.update(r.eos_token_ids)
                 for tok in banned:
                     mask_rows.append(i)
@@ -82,6 +90,22 @@ class Sampler:
             idx = (torch.tensor(mask_rows, device=self.device), torch.tensor(mask_cols, device=self.device))
             logits = logits.index_put(idx, torch.tensor(float("-inf"), device=self.device, dtype=logits.dtype))
         return logits
+
+    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """-inf wherever a row's grammar forbids the token: the matchers fill one packed bitmask for
+        their rows (rows without a grammar allow everything), unpacked and applied in one masked_fill."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return logits
+        n, vocab = logits.shape
+        if self._bitmask.shape[0] < n:
+            self._bitmask = torch.empty(n, self._bitmask.shape[1], dtype=torch.int32)
+        bitmask = self._bitmask[:n]
+        bitmask.fill_(-1)
+        self._batch_matcher.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, rows)
+        words = bitmask.to(self.device, non_blocking=True)
+        allowed = ((words.unsqueeze(-1) >> self._bit_shifts) & 1).view(n, -1)[:, :vocab]
+        return logits.masked_fill(allowed == 0, float("-inf"))
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
