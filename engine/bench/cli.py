@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (sets the context)")
     p.add_argument("--profile", default=None, help="write a torch.profiler op table of decode at the largest batch")
     p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("structured", help="throughput with a JSON schema on every request vs none")
+    _engine_args(p)
+    p.add_argument("--batches", default="1,64", help="batch sizes to measure")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--schema-properties", type=int, default=200, help="size of the large schema compiled")
+    p.add_argument("--json", dest="json_out", default=None)
     return parser
 
 
@@ -275,7 +282,26 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline}
+def cmd_structured(args: argparse.Namespace) -> int:
+    from tokenmill.engine.bench.structured import run_structured_bench
+
+    threads = _set_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches must list positive batch sizes, got {args.batches!r}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(batches)
+    llm = _build_llm(args)
+    report = run_structured_bench(llm, batches, args.max_tokens, args.schema_properties)
+    report.update({"threads": threads, "dtype": resolved_dtype(llm)})
+    _emit(report, args.json_out)
+    return 0
+
+
+COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
+            "structured": cmd_structured}
 
 
 def main(argv: list[str] | None = None) -> int:
