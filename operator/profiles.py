@@ -68,4 +68,6 @@ def resolve_with_hub(spec: ServiceSpec, lookup) -> tuple[ModelProfile, HubModel 
         if e.reason == "HubUnreachable" and not with_config:
             return resolve_profile(spec), None  # the engine will try the Hub itself
         raise ProfileError(e.reason, str(e)) from None
+    if hub_model is None:  # the lookup could not be made (a gated repo whose token it may not read)
+        return resolve_profile(spec), None
     return resolve_profile(spec, hub_model), hub_model

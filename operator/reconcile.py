@@ -243,18 +243,29 @@ def _hub_lookup(api, spec, config: OperatorConfig):
     repo, revision = parse_hf_uri(spec.model_uri)
 
     def lookup(with_config: bool):
-        token = None
+        token, unreadable = None, False
         if spec.token_secret is not None:
             try:
                 token = api.secret_value(spec.namespace, *spec.token_secret)
             except KubeError as e:
-                if e.status != 403:  # forbidden: ask without a token; a gated repo then says so
+                if e.status != 403:
                     raise
+                unreadable = True  # not allowed to read Secrets here: ask without the token
             else:
                 if token is None:  # say that, not "gated" (which the Hub would answer without a token)
                     raise HubError("SecretNotFound", secret_problem(api, spec.namespace, *spec.token_secret,
                                                                     "spec.model.tokenSecretRef") or "")
-        return config.hub.lookup(repo, revision, token, config.hf_endpoint, with_config)
+        try:
+            return config.hub.lookup(repo, revision, token, config.hf_endpoint, with_config)
+        except HubError as e:
+            if e.reason != "GatedModel" or not unreadable:
+                raise
+            if not with_config:
+                return None  # the pods get the token; the catalog sizes the model
+            name = spec.token_secret[0]
+            raise HubError("GatedModel", f"{e}; the operator may not read Secret {name} to fetch config.json "
+                                         "(grant it get on Secrets: chart values rbac.readSecrets / "
+                                         "readSecretsClusterWide) or set spec.model.profile") from None
 
     return lookup
 

@@ -14,6 +14,7 @@ from safetensors.numpy import save_file
 from test_operator_reconcile import NS, FakeApi, add_isvc, cond
 from tokenmill.operator import reconcile as rec
 from tokenmill.operator.hub import HubCache, HubError, fetch, weights_bytes
+from tokenmill.operator.kube import KubeError
 
 # A Llama-shaped model the catalog does not have; the numbers sizing must come back with.
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 256,
@@ -229,3 +230,20 @@ def test_the_cache_claim_is_created_shared_and_removed_with_the_spec(tmp_path):
     assert ("PersistentVolumeClaim", NS, "chat-model-cache") not in api.objects  # ours, no longer wanted
     vols = api.objects[("Deployment", NS, "chat")]["spec"]["template"]["spec"]["volumes"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "team-models"}} in vols
+
+
+def test_a_token_the_operator_may_not_read(hub, tmp_path):
+    """Cluster-wide mode without Secret reads (the chart's default): the pods still get the token, so a
+    gated catalog model goes ahead; one that needs config.json says what to grant."""
+    api = SecretApi()
+    api.secrets_forbidden = True
+    api.secret_value = lambda *a: (_ for _ in ()).throw(KubeError(403, "secrets is forbidden"))
+    config = rec.OperatorConfig(hf_endpoint=hub.url, hub=HubCache(cache_dir=str(tmp_path)))
+    hub.add_repo("meta-llama/Llama-3.1-8B-Instruct", hub.repos["acme/tiny-chat"].commits[hub.sha]["config.json"]
+                 .local.parent, gated=True, tokens=("hf_granted",))
+    add_isvc(api, hf_spec("hf://meta-llama/Llama-3.1-8B-Instruct", tokenSecretRef={"name": "hf"}), name="known")
+    status = reconcile(api, config, name="known")
+    assert cond(status, "Sized")["status"] == "True" and ("Deployment", NS, "known") in api.objects
+    add_isvc(api, hf_spec("hf://acme/gated-chat", tokenSecretRef={"name": "hf"}))
+    sized = cond(reconcile(api, config), "Sized")
+    assert sized["reason"] == "GatedModel" and "may not read Secret hf" in sized["message"]
