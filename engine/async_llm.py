@@ -137,11 +137,14 @@ class AsyncLLM:
         )
 
     async def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         def run() -> tuple[str, list[int]]:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
             )
             # The template already carries any BOS; adding special tokens again would double it.
             return text, list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -5,7 +5,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.engine.config import DEFAULTS, EngineConfig
+from tokenmill.engine.generation_config import default_sampling_params
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.model_source import parse_model_source
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 from tqdm import tqdm
@@ -25,6 +27,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         device: str = "auto",
         seed: int = 0,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -41,6 +45,18 @@ class LLM:
                 seed=seed,
             )
         )
+
+        # Sampling for calls that pass no SamplingParams, as `tokenmill serve --generation-config`.
+        self.default_sampling, self.default_sampling_source = default_sampling_params(
+            generation_config,
+            self.engine.core.model_path,
+            parse_model_source(model).scheme == "bundled",
+            override_generation_config,
+        )
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's name: the model's generation-config defaults over SamplingParams' own."""
+        return SamplingParams(**self.default_sampling)
 
     @property
     def capacity(self):
@@ -98,7 +114,7 @@ class LLM:
         priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(ids)
             if isinstance(sampling_params, SamplingParams)

@@ -72,6 +72,19 @@ def test_chat_greedy_answer_and_usage(client, tokenizer):
     assert r.model == MODEL and r.object == "chat.completion" and r.id.startswith("chatcmpl-")
 
 
+def test_readme_chat_example_with_server_defaults_answers_paris(server, client):
+    """README's example sends no sampling fields: the server's defaults (the bundled model's card:
+    temperature 0.2, top_p 0.9) must give a short right answer every time, not a ramble to the limit."""
+    assert (
+        "default sampling from the bundled model's card (SmolLM2-135M-Instruct): temperature=0.2, top_p=0.9"
+        in (server.log())
+    )
+    for _ in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=FRANCE)
+        assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens < 40
+
+
 def test_completion_greedy_matches_reference(client, tokenizer):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=30)
     assert r.choices[0].text == ONCE_UPON
@@ -272,6 +285,80 @@ def test_models_version_tokenize_detokenize(server, client, tokenizer):
     assert detok["prompt"] == "Hello world"
 
 
+def test_render_matches_tokenize_and_generates_nothing(server, tokenizer):
+    before = server.metrics(AUTH)["vllm:prompt_tokens_total"]
+    chat = _post(server, "/v1/chat/completions/render", {"model": MODEL, "messages": FRANCE, "top_p": 0.5})
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    tok = _post(server, "/tokenize", {"messages": FRANCE}).json()
+    assert body["token_ids"] == tok["tokens"] and len(body["token_ids"]) == chat_prompt_len(tokenizer, FRANCE)
+    # The parameters the chat request would run with: the request's top_p, the server's temperature.
+    assert body["sampling_params"]["top_p"] == 0.5 and body["sampling_params"]["temperature"] == 0.2
+    assert body["sampling_params"]["max_tokens"] == MAX_MODEL_LEN - len(body["token_ids"])
+    prompts = ["Hello world", "Once upon a time"]
+    comp = _post(server, "/v1/completions/render", {"model": MODEL, "prompt": prompts, "max_tokens": 5})
+    assert comp.status_code == 200, comp.text
+    for entry, text in zip(comp.json(), prompts, strict=True):
+        assert entry["token_ids"] == _post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+        assert entry["sampling_params"]["max_tokens"] == 5
+    ids = _post(server, "/v1/completions/render", {"prompt": [5, 6, 7]}).json()
+    assert [e["token_ids"] for e in ids] == [[5, 6, 7]]
+    assert server.metrics(AUTH)["vllm:prompt_tokens_total"] == before  # nothing ran
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tools_reach_the_prompt_and_a_tool_result_turn_is_accepted(server, client):
+    """The bundled ChatML template ignores `tools`: they go into the system message, calls and results
+    into the history as Hermes text (tool_request.py). tool_choice auto needs no grammar."""
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21, "sky": "sunny"}'},
+    ]  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER_TOOL], temperature=0, max_tokens=40
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    for call in choice.message.tool_calls or []:
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    ids = _post(server, "/v1/chat/completions/render", {"messages": history, "tools": [WEATHER_TOOL]}).json()
+    prompt = _post(server, "/detokenize", {"tokens": ids["token_ids"]}).json()["prompt"]
+    assert "<tools>" in prompt and '"get_weather"' in prompt and "<tool_response>" in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    for messages, needle in [
+        ([{"role": "tool", "content": "x"}], "tool_call_id is required"),
+        ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}],
+         "arguments is not valid JSON"),
+    ]:  # fmt: skip
+        _assert_openai_error(_post(server, "/v1/chat/completions", {"messages": messages}), 400, needle,
+                             param="messages")  # fmt: skip
+
+
+def test_render_validates_as_the_real_request(server):
+    long_prompt = "word " * (MAX_MODEL_LEN + 10)
+    for path, body, param in [
+        ("/v1/chat/completions/render", {"messages": FRANCE, "top_p": 1.5}, "top_p"),
+        ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": long_prompt}]}, "messages"),
+        ("/v1/chat/completions/render", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ("/v1/completions/render", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/completions/render", {"prompt": [10**9]}, "prompt"),
+    ]:
+        _assert_openai_error(_post(server, path, body), 400, param=param)
+    _assert_openai_error(_post(server, "/v1/completions/render", {"prompt": "x"}, headers={}), 401)
+
+
 # ---- errors --------------------------------------------------------------------------------------
 def _post(server, path: str, body, headers=AUTH) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
@@ -344,7 +431,12 @@ def test_wrong_types_and_missing_fields_are_400(server):
         ("min_p", 2, "min_p"),
         ("repetition_penalty", 0, "repetition_penalty"),
         ("stop", [""], "stop"),
-        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
+        ("tools", [{"type": "function", "function": {"name": "bad name"}}], "tools[0].function.name"),
+        ("tools", [{"type": "retrieval"}], "tools[0].type"),
+        ("tool_choice", "required", "tool_choice is only allowed when tools are given"),
+        ("response_format", {"type": "yaml"}, "response_format.type"),
+        ("response_format", {"type": "json_schema"}, "response_format.json_schema is required"),
+        ("structured_outputs", {"regex": "a", "choice": ["b"]}, "exactly one of"),
     ],
 )
 def test_out_of_range_parameters_are_400(server, field, value, needle):

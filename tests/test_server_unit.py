@@ -330,3 +330,31 @@ def test_admission_counts_before_tokenization_and_releases():
         await engine.close()
 
     asyncio.run(run())
+
+
+def test_a_template_error_is_a_400_on_chat_render_and_tokenize(bundled_model_dir):
+    """A chat template that refuses the messages (as Llama-2's does for roles out of order) is the
+    client's 400 on every route that renders it; /tokenize answered 500 before."""
+    from tokenmill.engine.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(bundled_model_dir)
+    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+
+    async def run() -> list[httpx.Response]:
+        engine = AsyncLLM(types.SimpleNamespace(), tokenizer, EngineInfo(CAPACITY, [2]))
+        engine.admit = engine.release = lambda ids: (
+            None
+        )  # nothing reaches generate(): the template fails first
+        state = ServerState(served_model_names=["m"], engine=engine, tokenizer=tokenizer, vocab_size=100,
+                            max_model_len=400, max_num_seqs=8, status="ready")  # fmt: skip
+        transport = httpx.ASGITransport(app=build_app(state))
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            out = [await c.post(path, json=body) for path in
+                   ("/tokenize", "/v1/chat/completions/render", "/v1/chat/completions")]  # fmt: skip
+        await engine.close()
+        return out
+
+    for r in asyncio.run(run()):
+        err = _error(r, 400)
+        assert err["param"] == "messages" and "roles must alternate" in err["message"], err

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
-from tokenmill.engine.entrypoints.chat_messages import validate_messages
+from tokenmill.engine.entrypoints.chat_messages import render_chat_prompt, validate_messages
 from tokenmill.engine.entrypoints.disconnect import ClientDisconnected
 from tokenmill.engine.entrypoints.errors import OpenAIError, bad_request, error_response, validation_message
 from tokenmill.engine.entrypoints.protocol import (
@@ -22,12 +22,13 @@ from tokenmill.engine.entrypoints.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    RenderResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
 from tokenmill.engine.entrypoints.server_state import ServerState
-from tokenmill.engine.entrypoints.serving_chat import create_chat_completion
-from tokenmill.engine.entrypoints.serving_completion import create_completion
+from tokenmill.engine.entrypoints.serving_chat import create_chat_completion, render_chat_completion
+from tokenmill.engine.entrypoints.serving_completion import create_completion, render_completion
 
 
 def _version() -> str:
@@ -109,6 +110,14 @@ def build_app(
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await create_completion(state, req, raw)
 
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(req: ChatCompletionRequest) -> RenderResponse:
+        return await render_chat_completion(state, req)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(req: CompletionRequest) -> list[RenderResponse]:
+        return await render_completion(state, req)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[
@@ -124,8 +133,9 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            _, tokens = await engine.apply_chat_template(
-                validate_messages(req.messages), req.add_generation_prompt
+            # The same checks and the same 400s as a chat request (a template error included).
+            _, tokens = await render_chat_prompt(
+                engine, validate_messages(req.messages), req.add_generation_prompt
             )
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens

@@ -1,8 +1,8 @@
 """OpenAI-shaped request and response schemas (pydantic), kept apart from the serving logic.
 
 Requests accept unknown fields and ignore them (clients send `user`, `metadata`, `store`, ...); fields
-that would change the meaning of a request and that we do not implement (tools, response_format other
-than text, suffix, best_of != n) are refused by the serving code with a 400 that names them.
+that would change the meaning of a request and that we do not implement (suffix, best_of != n) are
+refused by the serving code with a 400 that names them.
 Ranges are checked by SamplingParams, the one place that knows them.
 """
 
@@ -68,6 +68,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, in OpenAI's shape
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -89,7 +91,9 @@ class ChatCompletionRequest(SamplingExtras):
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     user: str | None = None
     add_generation_prompt: bool = True
 
@@ -108,9 +112,33 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -133,6 +161,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -173,6 +202,8 @@ class CompletionRequest(SamplingExtras):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -235,6 +266,18 @@ class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class RenderResponse(OpenAIBaseModel):
+    """What /v1/chat/completions/render and /v1/completions/render answer (one per prompt): the
+    prompt's token ids and the sampling parameters the request would run with, as vLLM's token-in
+    GenerateRequest; nothing is generated."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling_params: dict[str, Any]
+    stream: bool = False
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -14,7 +14,9 @@ SAMPLING_PARAM_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs (completions) and top_logprobs (chat)
 
 
-def chat_sampling_params(req: Any, max_num_seqs: int, vocab_size: int) -> tuple[SamplingParams, str]:
+def chat_sampling_params(
+    req: Any, max_num_seqs: int, vocab_size: int, defaults: dict[str, Any] | None = None
+) -> tuple[SamplingParams, str]:
     """A chat request's parameters, and the name of the field that set the completion budget
     (max_completion_tokens, or the deprecated max_tokens) for the length error to name."""
     if req.top_logprobs is not None:
@@ -32,11 +34,14 @@ def chat_sampling_params(req: Any, max_num_seqs: int, vocab_size: int) -> tuple[
         max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         max_num_seqs=max_num_seqs,
         vocab_size=vocab_size,
+        defaults=defaults,
     )
     return params, max_tokens_param
 
 
-def completion_sampling_params(req: Any, max_num_seqs: int, vocab_size: int) -> SamplingParams:
+def completion_sampling_params(
+    req: Any, max_num_seqs: int, vocab_size: int, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
     n = 1 if req.n is None else req.n
     if req.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
@@ -48,7 +53,7 @@ def completion_sampling_params(req: Any, max_num_seqs: int, vocab_size: int) -> 
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
     return build_sampling_params(
         req, n=n, logprobs=req.logprobs, max_tokens=req.max_tokens, max_num_seqs=max_num_seqs,
-        vocab_size=vocab_size,
+        vocab_size=vocab_size, defaults=defaults,
     )  # fmt: skip
 
 
@@ -58,13 +63,16 @@ def finish_params(
     max_model_len: int,
     prompt_param: str,
     max_tokens_param: str,
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
-    """Once the prompt's length is known: the completion budget (the requested max_tokens, or all the
-    room left), then the full check."""
+    """Once the prompt's length is known: the completion budget (the requested max_tokens, else the
+    model's default capped at the room left, else all the room left), then the full check."""
     requested = params.max_tokens
     params.max_tokens = resolve_max_tokens(
         prompt_len, requested, max_model_len, prompt_param, max_tokens_param
     )
+    if requested is None and default_max_tokens is not None:
+        params.max_tokens = min(params.max_tokens, default_max_tokens)
     try:
         params.verify()
     except ValueError as e:
@@ -80,8 +88,16 @@ def build_sampling_params(
     max_tokens: int | None,
     max_num_seqs: int,
     vocab_size: int,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """OpenAI + vLLM request fields -> SamplingParams; every bad value is a 400 naming the parameter."""
+    """OpenAI + vLLM request fields -> SamplingParams; every bad value is a 400 naming the parameter.
+    A field the request leaves out takes the server's default (the model's generation config), then
+    the engine's."""
+    defaults = defaults or {}
+
+    def pick(value: Any, name: str, engine_default: Any) -> Any:
+        return value if value is not None else defaults.get(name, engine_default)
+
     if n > max_num_seqs:
         raise bad_request(f"n must be at most max_num_seqs ({max_num_seqs}) on this server, got {n}", "n")
     logit_bias: dict[int, float] = {}
@@ -103,13 +119,13 @@ def build_sampling_params(
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kwargs: dict[str, Any] = {
         "n": n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k is None else req.top_k,
-        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "temperature": pick(req.temperature, "temperature", 1.0),
+        "top_p": pick(req.top_p, "top_p", 1.0),
+        "top_k": pick(req.top_k, "top_k", 0),
+        "min_p": pick(req.min_p, "min_p", 0.0),
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "repetition_penalty": pick(req.repetition_penalty, "repetition_penalty", 1.0),
         "seed": req.seed,
         "stop": stop,
         "stop_token_ids": list(req.stop_token_ids or []),

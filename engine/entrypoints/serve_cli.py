@@ -29,7 +29,11 @@ from tokenmill.engine.core_client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.entrypoints.api_server import build_app
 from tokenmill.engine.entrypoints.metrics import ServerMetrics
 from tokenmill.engine.entrypoints.server_state import ServerState
+from tokenmill.engine.entrypoints.tool_parser import PARSERS
+from tokenmill.engine.entrypoints.tool_request import template_uses_tools
+from tokenmill.engine.generation_config import default_sampling_params, describe, parse_override
 from tokenmill.engine.model_source import BUNDLED_MODEL, ModelSourceError, parse_model_source
+from tokenmill.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.serve")
 
@@ -154,6 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs per replica; the engine runs on one device, so only 1 is accepted today",
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="default sampling for requests that leave it out: auto (the model's generation_config.json; "
+        "for the bundled model its card's temperature 0.2, top_p 0.9), vllm (the engine's: temperature 1), "
+        "or a folder holding a generation_config.json",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default="auto",
+        help="how tool calls are read from the model's text: auto (hermes when the chat template writes "
+        "<tool_call> blocks or ignores tools, which then go into the system prompt in that format; else "
+        "none), hermes, or none (tool_choice 'auto' is refused; 'required' and named calls still work)",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        default=None,
+        help='JSON laid over the generation config, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\'',
+    )
+    p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs"
     )
     return p
@@ -202,7 +226,8 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
         )
     try:
         source = parse_model_source(args.model, args.revision)
-    except ModelSourceError as e:
+        args.override_generation_config = parse_override(args.override_generation_config)
+    except (ModelSourceError, ValueError) as e:
         parser.error(str(e))
     if args.served_model_name is None:
         args.served_model_name = [source.default_served_name]
@@ -317,6 +342,14 @@ async def bring_up(state: ServerState, args: argparse.Namespace, server: Server)
     try:
         # Resolve first, once: a first-time GGUF conversion must not run in two processes at once.
         config.model = await asyncio.to_thread(resolve_model_path, args.model, args.revision)
+        bundled = parse_model_source(args.model, args.revision).scheme == "bundled"
+        defaults, source = default_sampling_params(
+            args.generation_config, config.model, bundled, args.override_generation_config
+        )
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the default sampling parameters from {source} are invalid: {e}") from None
         client = InprocClient(config) if args.engine_in_process else MPClient(config, args.log_level.upper())
         state.extra["client"] = client
         info, (tokenizer, model_config) = await asyncio.gather(
@@ -350,9 +383,24 @@ async def bring_up(state: ServerState, args: argparse.Namespace, server: Server)
     state.vocab_size = min(len(tokenizer), model_config.vocab_size)
     state.max_model_len = capacity.max_model_len
     state.max_num_seqs = capacity.max_num_seqs
+    state.default_sampling = defaults
+    template = getattr(tokenizer, "chat_template", None)
+    state.template_uses_tools = template_uses_tools(template)
+    state.tool_call_parser = args.tool_call_parser
+    if args.tool_call_parser == "auto":
+        hermes = not state.template_uses_tools or "<tool_call>" in str(template)
+        state.tool_call_parser = "hermes" if hermes else "none"
+    logger.info(
+        "tools: %s; tool-call parser: %s",
+        "the chat template renders them"
+        if state.template_uses_tools
+        else "the chat template ignores them: written into the system message (Hermes format)",
+        state.tool_call_parser,
+    )
     if state.status == "loading":
         state.status, state.status_detail = "ready", "ok"
     logger.info("%s", capacity.describe())
+    logger.info("%s", describe(defaults, source))
     logger.info(
         "ready: serving %s on http://%s:%d (model load %.1fs)",
         ", ".join(state.served_model_names),

@@ -28,6 +28,10 @@ class ServerState:
     max_num_seqs: int = 0
     status: str = "loading"  # loading | ready | draining | dead | failed
     status_detail: str = "the model is loading"
+    # SamplingParams field -> value for fields a request leaves out (engine/generation_config.py).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: str = "hermes"  # hermes | none (serve_cli picks it from the chat template)
+    template_uses_tools: bool = False  # False: tools go into the system message as text (tool_request.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

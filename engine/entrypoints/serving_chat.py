@@ -1,16 +1,17 @@
-"""POST /v1/chat/completions, top to bottom: validate the messages and parameters, admit, apply the
-chat template, generate, answer (one JSON body or SSE chunks)."""
+"""POST /v1/chat/completions, top to bottom: validate (messages, parameters, tools, output constraint,
+compiled before admission), admit, apply the chat template, generate, answer (one JSON body or SSE
+chunks), reading tool calls out of the text where the request has tools."""
 
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from jinja2 import TemplateError
 from starlette.background import BackgroundTask
-from tokenmill.engine.entrypoints.chat_messages import validate_messages
+from tokenmill.engine.entrypoints.chat_messages import render_chat_prompt, validate_messages
 from tokenmill.engine.entrypoints.disconnect import run_until_disconnect
 from tokenmill.engine.entrypoints.engine_errors import engine_error
 from tokenmill.engine.entrypoints.errors import bad_request
@@ -23,60 +24,118 @@ from tokenmill.engine.entrypoints.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    RenderResponse,
+    ToolCall,
     UsageInfo,
 )
 from tokenmill.engine.entrypoints.request_params import chat_sampling_params, finish_params
 from tokenmill.engine.entrypoints.server_state import ServerState
 from tokenmill.engine.entrypoints.streaming import SSE_DONE, sse
+from tokenmill.engine.entrypoints.structured_request import check_compiles, request_structured_outputs
+from tokenmill.engine.entrypoints.tool_parser import (
+    StreamedToolCalls,
+    new_call_id,
+    parse_forced,
+    parse_hermes,
+)
+from tokenmill.engine.entrypoints.tool_request import ToolPlan, history_as_text, plan_tools
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 
 
-def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise bad_request("tools are not supported by this server", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {req.response_format.get('type')!r} is not supported; only 'text'",
-            "response_format",
-        )
+@dataclass
+class ChatPlan:
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    max_tokens_param: str  # the field that set the completion budget, for the length error to name
+    tools: ToolPlan | None
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
-    # 1. Everything that can be checked without the tokenizer, before the request counts as admitted.
+# ---- 1. validate ---------------------------------------------------------------------------------
+async def _validate(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
+    """Everything that can be checked before the request counts as admitted, the grammar included."""
     state.check_model(req.model)
     state.ready_engine()
     messages = validate_messages(req.messages)
-    _check_unsupported(req)
-    params, max_tokens_param = chat_sampling_params(req, state.max_num_seqs, state.vocab_size)
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if tools is not None and tools.choice == "auto" and state.tool_call_parser == "none":
+        raise bad_request(
+            "tool_choice 'auto' needs a tool-call parser, and this server has none for its model's chat "
+            "template; start it with --tool-call-parser hermes, or use tool_choice 'required' or a named function",
+            "tool_choice",
+        )
+    params, max_tokens_param = chat_sampling_params(
+        req, state.max_num_seqs, state.vocab_size, state.default_sampling
+    )
+    constraint = request_structured_outputs(req.response_format, req.structured_outputs)
+    forced = tools.forced if tools is not None else None
+    if forced is not None and constraint is not None:
+        raise bad_request(
+            f"tool_choice {tools.choice!r} constrains the output itself; drop response_format/structured_outputs",
+            "tool_choice",
+        )
+    params.structured_outputs = forced or constraint
+    param = "tool_choice" if forced else ("response_format" if req.response_format else "structured_outputs")
+    await check_compiles(params.structured_outputs, state.tokenizer, param)
+    return ChatPlan(messages, params, max_tokens_param, tools)
 
-    # 2. Admit, render the prompt, fix the completion budget, start generating.
+
+# ---- 2. render the prompt ------------------------------------------------------------------------
+async def _prepare(
+    state: ServerState, req: ChatCompletionRequest, engine: Any, plan: ChatPlan
+) -> tuple[str, list[int]]:
+    """Render the prompt (tools in the template, or as text where it ignores them) and fix the
+    completion budget now that its length is known."""
+    tools = plan.tools.tools if plan.tools is not None else None
+    if state.template_uses_tools:
+        prompt, prompt_ids = await render_chat_prompt(engine, plan.messages, req.add_generation_prompt, tools)
+    else:
+        messages = history_as_text(plan.messages, tools)
+        prompt, prompt_ids = await render_chat_prompt(engine, messages, req.add_generation_prompt)
+    finish_params(
+        plan.params, len(prompt_ids), state.max_model_len, "messages", plan.max_tokens_param,
+        state.default_sampling.get("max_tokens"),
+    )  # fmt: skip
+    return prompt, prompt_ids
+
+
+async def render_chat_completion(state: ServerState, req: ChatCompletionRequest) -> RenderResponse:
+    """POST /v1/chat/completions/render: what the request would run (prompt token ids and sampling
+    parameters), validated exactly as a chat request, without generating."""
+    plan = await _validate(state, req)
+    _, prompt_ids = await _prepare(state, req, state.ready_engine(), plan)
+    return RenderResponse(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, token_ids=prompt_ids,
+        sampling_params=plan.params.to_dict(),
+    )  # fmt: skip
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
+    plan = await _validate(state, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     arrival = time.monotonic()
-    engine = state.admit([request_id])
+    engine = state.admit([request_id])  # the 429 comes before any tokenizer work
     try:
-        try:
-            prompt, prompt_ids = await engine.apply_chat_template(messages, req.add_generation_prompt)
-        except (TemplateError, ValueError) as e:
-            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-        finish_params(params, len(prompt_ids), state.max_model_len, "messages", max_tokens_param)
-        gen = engine.generate(request_id, prompt, prompt_ids, params, arrival, req.priority or 0)
+        prompt, prompt_ids = await _prepare(state, req, engine, plan)
+        gen = engine.generate(request_id, prompt, prompt_ids, plan.params, arrival, req.priority or 0)
     except BaseException:
         engine.release([request_id])
         raise
 
-    # 3. Answer.
     texts = state.extra.setdefault("token_texts", TokenTexts(state.tokenizer))
     top_k = req.top_logprobs or 0
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(state, request_id, gen, params, texts, top_k, include_usage),
+            _stream(state, request_id, gen, plan, texts, top_k, include_usage),
             media_type="text/event-stream",
             background=BackgroundTask(_cleanup, engine, request_id, gen),
         )
-    return await run_until_disconnect(raw, _full(state, request_id, gen, params, texts, top_k))
+    return await run_until_disconnect(raw, _full(state, request_id, gen, plan, texts, top_k))
 
 
 async def _cleanup(engine: Any, request_id: str, gen: AsyncGenerator) -> None:
@@ -85,19 +144,34 @@ async def _cleanup(engine: Any, request_id: str, gen: AsyncGenerator) -> None:
     engine.abort(request_id)
 
 
+# ---- 3. answer -----------------------------------------------------------------------------------
 def _usage(final: RequestOutput) -> UsageInfo:
     prompt = len(final.prompt_token_ids)
     completion = sum(len(c.token_ids) for c in final.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def _calls(text: str, tools: ToolPlan | None) -> tuple[str | None, list[dict[str, str]]]:
+    """(content, calls) of a finished output."""
+    if tools is None or tools.choice == "none":
+        return text, []
+    if tools.choice == "auto":
+        content, calls = parse_hermes(text)
+    else:
+        calls = parse_forced(text, tools.choice, tools.named)
+        content = None if calls else text
+    return content, calls if tools.parallel else calls[:1]
+
+
+def _finish_reason(reason: str | None, tools: ToolPlan | None, num_calls: int) -> str | None:
+    # OpenAI: "tool_calls" when the model chose to call (auto, required); a named call ends with "stop".
+    if num_calls and reason == "stop" and tools is not None and tools.choice != "named":
+        return "tool_calls"
+    return reason
+
+
 async def _full(
-    state: ServerState,
-    request_id: str,
-    gen: AsyncGenerator,
-    params: SamplingParams,
-    texts: TokenTexts,
-    top_k: int,
+    state: ServerState, request_id: str, gen: AsyncGenerator, plan: ChatPlan, texts: TokenTexts, top_k: int
 ) -> Response:
     final: RequestOutput | None = None
     try:
@@ -105,35 +179,50 @@ async def _full(
             final = ro
     except Exception as e:
         raise engine_error(e) from None
-    choices = [
-        ChatCompletionResponseChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=ChatCompletionLogProbs(content=chat_logprobs(texts, c.token_ids, c.logprobs, top_k))
-            if params.logprobs is not None and c.logprobs is not None
-            else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in final.outputs:
+        content, calls = _calls(c.text, plan.tools)
+        message = ChatResponseMessage(
+            content=content,
+            tool_calls=[ToolCall(id=new_call_id(), function=FunctionCall(**k)) for k in calls],
         )
-        for c in final.outputs
-    ]
+        logprobs = None
+        if plan.params.logprobs is not None and c.logprobs is not None:
+            logprobs = ChatCompletionLogProbs(content=chat_logprobs(texts, c.token_ids, c.logprobs, top_k))
+        choices.append(ChatCompletionResponseChoice(
+            index=c.index, message=message, logprobs=logprobs,
+            finish_reason=_finish_reason(c.finish_reason, plan.tools, len(calls)), stop_reason=c.stop_reason,
+        ))  # fmt: skip
     body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final))
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _call_deltas(calls: list[dict[str, str]], first_index: int) -> list[DeltaToolCall]:
+    return [
+        DeltaToolCall(
+            index=first_index + k, id=new_call_id(), type="function", function=DeltaFunctionCall(**c)
+        )
+        for k, c in enumerate(calls)
+    ]
 
 
 async def _stream(
     state: ServerState,
     request_id: str,
     gen: AsyncGenerator,
-    params: SamplingParams,
+    plan: ChatPlan,
     texts: TokenTexts,
     top_k: int,
     include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     created = int(time.time())
+    params, tools = plan.params, plan.tools
     n = params.n
-    sent_text, sent_tokens = [""] * n, [0] * n
+    sent_text, sent_tokens, sent_calls = [""] * n, [0] * n, [0] * n
     started, finished = [False] * n, [False] * n
+    # auto: read calls as they close; required/named: the forced JSON is read when the choice ends
+    auto = [StreamedToolCalls() for _ in range(n)] if tools is not None and tools.choice == "auto" else None
+    forced = tools is not None and tools.choice in ("required", "named")
     final: RequestOutput | None = None
 
     def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
@@ -153,7 +242,17 @@ async def _stream(
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=i, delta=DeltaMessage(role="assistant", content="")
                     ))  # fmt: skip
-                delta = c.text[len(sent_text[i]) :]
+                done = c.finish_reason is not None
+                delta, calls = c.text[len(sent_text[i]) :], []
+                if auto is not None:
+                    delta, calls = auto[i].feed(delta, done)
+                    if not tools.parallel:
+                        calls = calls[: max(0, 1 - sent_calls[i])]
+                elif forced:
+                    delta = ""
+                    if done:
+                        content, calls = _calls(c.text, tools)
+                        delta = content or ""
                 new_lp = None
                 if (
                     params.logprobs is not None
@@ -163,11 +262,14 @@ async def _stream(
                     new_lp = ChatCompletionLogProbs(content=chat_logprobs(
                         texts, c.token_ids[sent_tokens[i]:], c.logprobs[sent_tokens[i]:], top_k
                     ))  # fmt: skip
-                done = c.finish_reason is not None
-                if delta or new_lp is not None or done:
+                if delta or calls or new_lp is not None or done:
+                    tool_deltas = _call_deltas(calls, sent_calls[i]) if calls else None
+                    sent_calls[i] += len(calls)
+                    reason = _finish_reason(c.finish_reason, tools, sent_calls[i]) if done else None
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(content=delta), logprobs=new_lp,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason if done else None,
+                        index=i, delta=DeltaMessage(content=delta or None if tool_deltas else delta,
+                                                    tool_calls=tool_deltas),
+                        logprobs=new_lp, finish_reason=reason, stop_reason=c.stop_reason if done else None,
                     ))  # fmt: skip
                 sent_text[i], sent_tokens[i], finished[i] = c.text, len(c.token_ids), done
         if include_usage and final is not None:

@@ -21,11 +21,13 @@ from tokenmill.engine.entrypoints.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    RenderResponse,
     UsageInfo,
 )
 from tokenmill.engine.entrypoints.request_params import completion_sampling_params, finish_params
 from tokenmill.engine.entrypoints.server_state import ServerState
 from tokenmill.engine.entrypoints.streaming import SSE_DONE, merge_async_iterators, sse
+from tokenmill.engine.entrypoints.structured_request import check_compiles, request_structured_outputs
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -43,38 +45,80 @@ def split_prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+async def _validate(
+    state: ServerState, req: CompletionRequest
+) -> tuple[list[str | list[int]], SamplingParams]:
+    """Everything that can be checked before the request counts as admitted, the grammar included."""
     state.check_model(req.model)
     state.ready_engine()
     prompts = split_prompts(req.prompt)
-    base_params = completion_sampling_params(req, state.max_num_seqs, state.vocab_size)
+    params = completion_sampling_params(req, state.max_num_seqs, state.vocab_size, state.default_sampling)
+    params.structured_outputs = request_structured_outputs(req.response_format, req.structured_outputs)
+    param = "response_format" if req.response_format else "structured_outputs"
+    await check_compiles(params.structured_outputs, state.tokenizer, param)
+    return prompts, params
+
+
+async def _prepare(
+    state: ServerState, req: CompletionRequest, engine: Any, prompts: list, base_params: SamplingParams
+) -> list[tuple[str | None, list[int], SamplingParams]]:
+    """Per prompt: its text (None for token ids unless echoed), token ids, and parameters with the
+    completion budget fixed for its length."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            text, token_ids = prompt, await engine.encode(prompt)
+        else:
+            if not all(0 <= t < state.vocab_size for t in prompt):
+                raise bad_request(f"{where} holds token ids outside [0, {state.vocab_size})", "prompt")
+            token_ids = prompt
+            text = await engine.decode(prompt) if req.echo else None
+        if not token_ids:
+            raise bad_request(f"{where} is empty (0 tokens)", "prompt")
+        params = finish_params(
+            SamplingParams.from_dict(base_params.to_dict()), len(token_ids), state.max_model_len,
+            "prompt", "max_tokens", state.default_sampling.get("max_tokens"),
+        )  # fmt: skip
+        out.append((text, token_ids, params))
+    return out
+
+
+async def render_completion(state: ServerState, req: CompletionRequest) -> list[RenderResponse]:
+    """POST /v1/completions/render: one entry per prompt (token ids, sampling parameters), validated
+    exactly as a completion request, without generating."""
+    prompts, base_params = await _validate(state, req)
+    prepared = await _prepare(state, req, state.ready_engine(), prompts, base_params)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    return [
+        RenderResponse(
+            request_id=rid, model=state.model_name, token_ids=token_ids, sampling_params=params.to_dict()
+        )
+        for rid, (_, token_ids, params) in zip(ids, prepared, strict=True)
+    ]
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    # 1. Check, then admit every prompt as one (the 429 comes before any tokenizer work).
+    prompts, base_params = await _validate(state, req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     arrival = time.monotonic()
     engine = state.admit(ids)
+    # 2. Tokenize, start generating.
     try:
-        gens, prompt_texts = [], []
-        for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            if isinstance(prompt, str):
-                text, token_ids = prompt, await engine.encode(prompt)
-            else:
-                if not all(0 <= t < state.vocab_size for t in prompt):
-                    raise bad_request(f"{where} holds token ids outside [0, {state.vocab_size})", "prompt")
-                token_ids = prompt
-                text = await engine.decode(prompt) if req.echo else None
-            if not token_ids:
-                raise bad_request(f"{where} is empty (0 tokens)", "prompt")
-            params = finish_params(
-                SamplingParams.from_dict(base_params.to_dict()), len(token_ids), state.max_model_len,
-                "prompt", "max_tokens",
-            )  # fmt: skip
-            gens.append(engine.generate(rid, text, token_ids, params, arrival, req.priority or 0))
-            prompt_texts.append(text if req.echo else "")
+        prepared = await _prepare(state, req, engine, prompts, base_params)
+        gens = [
+            engine.generate(rid, text, token_ids, params, arrival, req.priority or 0)
+            for rid, (text, token_ids, params) in zip(ids, prepared, strict=True)
+        ]
+        prompt_texts = [text if req.echo else "" for text, _, _ in prepared]
     except BaseException:
         engine.release(ids)
         raise
 
+    # 3. Answer.
     texts = state.extra.setdefault("token_texts", TokenTexts(state.tokenizer))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
