@@ -165,6 +165,7 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Cumulative RequestOutputs of one admitted request, the last with finished=True. Closing or
         cancelling the generator early aborts the request in the core."""
@@ -184,7 +185,9 @@ class AsyncLLM:
             self.processor.add_request(request_id, prompt, prompt_token_ids, params, state.arrival_time)
             self._preprocessing.discard(request_id)
             self.client.add_request(
-                EngineCoreRequest(request_id, list(prompt_token_ids), params, state.arrival_time, priority)
+                EngineCoreRequest(
+                    request_id, list(prompt_token_ids), params, state.arrival_time, priority, cache_salt
+                )
             )
             while True:
                 item = await state.queue.get()

@@ -53,6 +53,7 @@ def encode(msg: tuple) -> bytes:
             r.sampling_params.to_dict(),
             r.arrival_time,
             r.priority,
+            r.cache_salt,
         ]
         return msgpack.packb([ADD, body])
     if kind == OUTPUTS:
@@ -68,8 +69,8 @@ def decode(buf: bytes) -> tuple:
     msg = msgpack.unpackb(buf, strict_map_key=False)
     kind = msg[0]
     if kind == ADD:
-        rid, ids, params, arrival, priority = msg[1]
-        return (ADD, EngineCoreRequest(rid, ids, SamplingParams.from_dict(params), arrival, priority))
+        rid, ids, params, arrival, priority, salt = msg[1]
+        return (ADD, EngineCoreRequest(rid, ids, SamplingParams.from_dict(params), arrival, priority, salt))
     if kind == OUTPUTS:
         outputs = [EngineCoreOutput(*fields) for fields in msg[1]]
         for o in outputs:

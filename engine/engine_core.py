@@ -204,6 +204,7 @@ class EngineCore:
                     params=p,
                     arrival_time=req.arrival_time,
                     priority=req.priority,
+                    cache_salt=req.cache_salt,
                     eos_token_ids=self.eos_token_ids,
                     generator=gen,
                 )

@@ -37,13 +37,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         if params.structured_outputs is not None:
             # Offline: compile here so a bad spec raises ValueError now (cached for the engine's matcher).
             self.core.structured_outputs.compile(params.structured_outputs)
         rid = request_id if request_id is not None else str(next(self._ids))
         now = time.monotonic()
-        self.core.add_request(EngineCoreRequest(rid, prompt_token_ids, params, now, priority))
+        self.core.add_request(EngineCoreRequest(rid, prompt_token_ids, params, now, priority, cache_salt))
         self.processor.add_request(rid, prompt, prompt_token_ids, params, now)
         return rid
 

@@ -16,6 +16,8 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0  # lower value = served first (vLLM's convention)
+    # vLLM's field: requests share prefix-cache blocks only with requests that carry the same salt.
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None  # mixed into the first block's hash (see kv_cache_manager.py)
     eos_token_ids: tuple[int, ...] = ()
     # The one number that covers chunked prefill, prefix-cache hits and recompute preemption.
     num_computed_tokens: int = 0
@@ -40,6 +41,9 @@ class Request:
     fork_children: list["Request"] = field(default_factory=list)
     # structured outputs: this sequence's xgrammar GrammarMatcher (structured_output_manager.py)
     grammar: Any = None
+    # Chained prefix-cache hashes of the full blocks of token_ids, computed once each: tokens are only
+    # ever appended, so a full block's hash never changes (not even across preemption).
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def key(self) -> str:

@@ -56,6 +56,9 @@ class SamplingExtras(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: Int64 | None = None  # lower is served first (vLLM's convention); default 0
+    # Requests share prefix-cache blocks only with requests carrying the same salt (vLLM's field): a
+    # tenant's secret salt keeps others from learning its prompts through cache-hit timing.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
 
 # ---- chat --------------------------------------------------------------------------------------

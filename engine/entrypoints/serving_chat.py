@@ -121,7 +121,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     engine = state.admit([request_id])  # the 429 comes before any tokenizer work
     try:
         prompt, prompt_ids = await _prepare(state, req, engine, plan)
-        gen = engine.generate(request_id, prompt, prompt_ids, plan.params, arrival, req.priority or 0)
+        gen = engine.generate(
+            request_id, prompt, prompt_ids, plan.params, arrival, req.priority or 0, cache_salt=req.cache_salt
+        )
     except BaseException:
         engine.release([request_id])
         raise

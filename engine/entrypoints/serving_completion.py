@@ -110,7 +110,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     try:
         prepared = await _prepare(state, req, engine, prompts, base_params)
         gens = [
-            engine.generate(rid, text, token_ids, params, arrival, req.priority or 0)
+            engine.generate(rid, text, token_ids, params, arrival, req.priority or 0, cache_salt=req.cache_salt)
             for rid, (text, token_ids, params) in zip(ids, prepared, strict=True)
         ]
         prompt_texts = [text if req.echo else "" for text, _, _ in prepared]
