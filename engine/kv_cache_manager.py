@@ -2,21 +2,54 @@
 and prefix caching over full blocks.
 
 Only the scheduler calls this; the model runner receives block ids and slots, never the pool.
+
+Prefix-cache keys are chained SHA-256 digests: block i's key hashes block i-1's key, block i's tokens and
+its extra keys (the request's cache_salt, for the first block), so a key names the whole prefix up to
+and including the block. A forgeable hash (Python's tuple hash) let a crafted prompt land on a block
+computed after a different prefix (vLLM's CVE-2025-25183). On top of the digest, every hit is verified
+against what the block recorded when it was cached (parent key, tokens, extra keys): a collision can
+cost a hit, never change output.
 """
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from tokenmill.engine.kv_memory import blocks_for_tokens
 from tokenmill.engine.request import Request
 
+# The parent of a first block. Any fixed 32 bytes would do; SHA-256 of a label documents what it is.
+ROOT_HASH = hashlib.sha256(b"tokenmill prefix cache root").digest()
+
+# (parent key, the block's tokens, extra keys): what a cached block holds, checked on every hit.
+BlockIdentity = tuple[bytes, tuple[int, ...], bytes]
+
+
+def extra_keys(req: Request, block_index: int) -> bytes:
+    """Extra keys mixed into a block's hash: the cache salt, in the first block only (later blocks inherit
+    it through the chain). Length-prefixed, so no salt can run into the token bytes."""
+    if block_index != 0 or req.cache_salt is None:
+        return b""
+    salt = req.cache_salt.encode("utf-8")
+    return len(salt).to_bytes(4, "little") + salt
+
+
+def hash_block_tokens(parent: bytes, token_ids: tuple[int, ...], extra: bytes = b"") -> bytes:
+    """SHA-256 over the parent's key (32 bytes), the tokens (int64 each: every block of a pool has the same
+    length, so the fields cannot shift into each other) and the extra keys."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
 
 @dataclass(slots=True)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and computed
-    token_ids: tuple[int, ...] | None = None  # verified on every hit: a hash collision never changes output
+    block_hash: bytes | None = None  # set once the block is full and computed
+    identity: BlockIdentity | None = None  # verified on every hit: a hash collision never changes output
 
 
 class KVCacheManager:
@@ -30,9 +63,10 @@ class KVCacheManager:
         # Free blocks in eviction order (front = evicted first). OrderedDict gives O(1) removal from the
         # middle when a prefix-cache hit revives a freed block.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_hashes: dict[str, list[int]] = {}  # chained hashes of the sequence's full computed blocks
+        # Per sequence: how many of its blocks have been registered in the cache (or found already there).
+        self.req_num_cached: dict[str, int] = {}
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -51,6 +85,18 @@ class KVCacheManager:
         return self.req_blocks.get(req.key, [])
 
     # ---- prefix caching ------------------------------------------------------------------------
+    def block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The chained keys of req's first num_blocks full blocks, computed once each and kept on the
+        request (its tokens are only ever appended, so they stay valid across preemption)."""
+        hashes = req.block_hashes
+        bs = self.block_size
+        tokens = req.token_ids
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]), extra_keys(req, i))
+            hashes.append(parent)
+        return hashes
+
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached full blocks matching the start of the sequence.
 
@@ -60,41 +106,44 @@ class KVCacheManager:
             return []
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
+        hashes = self.block_hashes(req, max_blocks)
         hits: list[int] = []
-        parent: int | None = None
+        parent = ROOT_HASH
         tokens = req.token_ids
         for i in range(max_blocks):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash((parent, chunk))
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            block_id = self.cached.get(hashes[i])
+            if block_id is None:
+                break
+            identity = (parent, tuple(tokens[i * bs : (i + 1) * bs]), extra_keys(req, i))
+            if self.blocks[block_id].identity != identity:
                 break
             hits.append(block_id)
-            parent = h
+            parent = hashes[i]
         return hits
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the sequence's blocks that are now full and computed."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
         blocks = self.req_blocks.get(req.key)
         if not blocks:
             return
-        hashes = self.req_hashes.setdefault(req.key, [])
+        bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(blocks))
-        parent = hashes[-1] if hashes else None
+        start = self.req_num_cached.get(req.key, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(req, num_full)
         tokens = req.token_ids
-        for i in range(len(hashes), num_full):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash((parent, chunk))
-            hashes.append(h)
-            parent = h
+        for i in range(start, num_full):
+            h = hashes[i]
             block = self.blocks[blocks[i]]
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
-                block.token_ids = chunk
+                parent = hashes[i - 1] if i else ROOT_HASH
+                block.identity = (parent, tuple(tokens[i * bs : (i + 1) * bs]), extra_keys(req, i))
                 self.cached[h] = block.block_id
+        self.req_num_cached[req.key] = num_full
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
@@ -127,10 +176,12 @@ class KVCacheManager:
         for b in shared:
             self._touch(b)
         self.req_blocks[child.key] = list(shared)
+        if not child.block_hashes:  # same prompt, same keys: no need to hash it again
+            child.block_hashes = parent.block_hashes[:num_blocks]
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.key, [])
-        self.req_hashes.pop(req.key, None)
+        self.req_num_cached.pop(req.key, None)
         # Tail first: the tail blocks of a freed sequence are the least likely to be shared, so they are
         # evicted first; blocks without a hash hold nothing reusable and go to the very front.
         for b in reversed(blocks):
@@ -156,6 +207,6 @@ class KVCacheManager:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
             block.block_hash = None
-            block.token_ids = None
+            block.identity = None
         block.ref_cnt = 1
         return block_id

@@ -30,7 +30,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.n += 1
         hits = self.kv.get_computed_blocks(req)
         for i, b in enumerate(hits):  # every hit holds exactly the tokens it claims
-            assert self.kv.blocks[b].token_ids == tuple(tokens[i * BS : (i + 1) * BS])
+            assert self.kv.blocks[b].identity[1] == tuple(tokens[i * BS : (i + 1) * BS])
         assert len(hits) * BS < len(tokens)  # at least one token is left to compute
         used_before = self.kv.num_used_blocks
         req.num_computed_tokens = 0
@@ -92,7 +92,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def cache_map_consistent(self) -> None:
         for h, b in self.kv.cached.items():
             assert self.kv.blocks[b].block_hash == h
-            assert self.kv.blocks[b].token_ids is not None
+            assert self.kv.blocks[b].identity is not None
 
     def teardown(self) -> None:
         for req in list(self.live.values()):
@@ -124,9 +124,9 @@ def test_hash_collision_never_returns_wrong_tokens() -> None:
     a.num_computed_tokens = 5
     kv.cache_full_blocks(a)
     block = kv.blocks[kv.block_ids(a)[0]]
-    # Forge a collision: the hash that [9, 9, 9, 9] maps to now points at a block holding [1, 2, 3, 4].
-    kv.cached[hash((None, (9, 9, 9, 9)))] = block.block_id
     b = make_req("b", [9, 9, 9, 9, 9])
+    # Forge a collision: the key [9, 9, 9, 9] maps to now points at a block holding [1, 2, 3, 4].
+    kv.cached[kv.block_hashes(b, 1)[0]] = block.block_id
     assert kv.get_computed_blocks(b) == []
 
 
