@@ -12,7 +12,7 @@ cost a hit, never change output.
 """
 
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,13 +35,16 @@ def extra_keys(req: Request, block_index: int) -> bytes:
     return len(salt).to_bytes(4, "little") + salt
 
 
+_PACKERS: dict[int, struct.Struct] = {}  # block length -> compiled little-endian int64 packer
+
+
 def hash_block_tokens(parent: bytes, token_ids: tuple[int, ...], extra: bytes = b"") -> bytes:
-    """SHA-256 over the parent's key (32 bytes), the tokens (int64 each: every block of a pool has the same
-    length, so the fields cannot shift into each other) and the extra keys."""
-    h = hashlib.sha256(parent)
-    h.update(array("q", token_ids).tobytes())
-    h.update(extra)
-    return h.digest()
+    """SHA-256 over the parent's key (32 bytes), the tokens (little-endian int64 each: every block of a pool
+    has the same length, so the fields cannot shift into each other) and the extra keys."""
+    packer = _PACKERS.get(len(token_ids))
+    if packer is None:
+        packer = _PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q")
+    return hashlib.sha256(parent + packer.pack(*token_ids) + extra).digest()
 
 
 @dataclass(slots=True)
