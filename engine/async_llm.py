@@ -7,6 +7,10 @@ consumer goes away (client disconnect, cancellation) is aborted in the core, whi
 
 Admission: a request counts as waiting from the moment it is admitted (before tokenization) until the
 scheduler first runs it; with `max_waiting_requests` already waiting, `admit` raises QueueFullError.
+
+Progress: the core sends one message per step while it has work, so the time since the last one, while
+requests are in the core, says whether it is moving (`stalled_for`). That costs nothing per step: the
+message exists anyway. /health and /live read it (see docs/reliability.md).
 """
 
 import asyncio
@@ -86,6 +90,8 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self._abort_reason: str | None = None  # set by abort_all: nothing new may start
         self._output_task: asyncio.Task | None = None
+        # When the core last showed progress: a step's outputs arrived, or it was handed work while idle.
+        self._last_progress = time.monotonic()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,6 +113,16 @@ class AsyncLLM:
     @property
     def num_unscheduled(self) -> int:
         return len(self._unscheduled)
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds the core has had requests without sending a step's outputs (0 when it has none)."""
+        if not self._states:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self._last_progress)
+
+    @property
+    def num_in_core(self) -> int:
+        return len(self._states)
 
     # ---- admission -----------------------------------------------------------------------------
     def admit(self, request_ids: list[str]) -> None:
@@ -181,6 +197,8 @@ class AsyncLLM:
                 len(prompt_token_ids),
                 params.n,
             )
+            if not self._states:  # the core was idle: its stall clock starts now, not at its last step
+                self._last_progress = time.monotonic()
             self._states[request_id] = state
             self.processor.add_request(request_id, prompt, prompt_token_ids, params, state.arrival_time)
             self._preprocessing.discard(request_id)
@@ -260,7 +278,7 @@ class AsyncLLM:
             state.queue.put_nowait(RequestRejectedError(item.message, item.client_error))
 
     def _process_step(self, step: StepOutputs) -> None:
-        now = time.monotonic()
+        now = self._last_progress = time.monotonic()
         for rid, _waited in step.stats.queue_times:
             self._unscheduled.discard(rid)
         outputs = [

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, tokenize/detokenize, health, metrics, version; auth; OpenAI-format
+"""The FastAPI app: OpenAI routes, tokenize/detokenize, health (/health readiness, /live liveness: see
+health.py), metrics, version; auth; OpenAI-format
 errors for every failure (FastAPI's 422 validation errors become 400s, as OpenAI answers them)."""
 
 import hmac
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill.engine.entrypoints.chat_messages import render_chat_prompt, validate_messages
 from tokenmill.engine.entrypoints.disconnect import ClientDisconnected
 from tokenmill.engine.entrypoints.errors import OpenAIError, bad_request, error_response, validation_message
+from tokenmill.engine.entrypoints.health import HealthConfig, liveness, readiness
 from tokenmill.engine.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,8 +73,11 @@ class AuthMiddleware:
 
 
 def build_app(
-    state: ServerState, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[Any]] | None = None
+    state: ServerState,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[Any]] | None = None,
+    health_config: HealthConfig | None = None,
 ) -> FastAPI:
+    health_cfg = health_config or HealthConfig()
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokenmill = state
     app.add_middleware(AuthMiddleware, state=state)
@@ -154,9 +159,11 @@ def build_app(
     # ---- operations ------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        if state.status == "ready":
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": state.status, "detail": state.status_detail}, status_code=503)
+        return readiness(state, health_cfg)
+
+    @app.get("/live")
+    async def live() -> Response:
+        return liveness(state, health_cfg)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -7,7 +7,8 @@ Lifecycle: HTTP comes up at once (/health answers 503 while the model loads); th
 in a child process and reports its capacity, which is logged; SIGTERM (what Kubernetes sends) stops
 admission (503), lets in-flight requests finish within --shutdown-grace-period, aborts the rest and
 exits 0. If the engine core dies, in-flight requests fail with 500, /health turns 503 and the
-process exits 1 so that Kubernetes restarts the pod.
+process exits 1 so that Kubernetes restarts the pod. If it stops making progress with requests in it,
+/health turns 503 after --readiness-stall-seconds and /live after --liveness-stall-seconds (health.py).
 """
 
 import argparse
@@ -27,6 +28,11 @@ from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.config import DEFAULTS, EngineConfig
 from tokenmill.engine.core_client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.entrypoints.api_server import build_app
+from tokenmill.engine.entrypoints.health import (
+    DEFAULT_LIVENESS_STALL_S,
+    DEFAULT_READINESS_STALL_S,
+    HealthConfig,
+)
 from tokenmill.engine.entrypoints.metrics import ServerMetrics
 from tokenmill.engine.entrypoints.server_state import ServerState
 from tokenmill.engine.entrypoints.tool_parser import PARSERS
@@ -145,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after SIGTERM (Kubernetes kills at 30 by default)",
     )
     p.add_argument(
+        "--readiness-stall-seconds",
+        type=_seconds,
+        default=DEFAULT_READINESS_STALL_S,
+        help="/health answers 503 once the engine core has had requests but made no step for this long "
+        "(keep it above the longest step: a full --max-num-batched-tokens prefill)",
+    )
+    p.add_argument(
+        "--liveness-stall-seconds",
+        type=_seconds,
+        default=DEFAULT_LIVENESS_STALL_S,
+        help="/live answers 503 (the pod gets restarted) once the stall lasts this long; at least "
+        "--readiness-stall-seconds",
+    )
+    p.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine core in a thread of this process instead of a child process (debugging)",
@@ -223,6 +243,12 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
         parser.error(
             f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not implemented; this "
             "engine runs a model on one device (pick a GPU type whose memory holds the weights)"
+        )
+    if args.liveness_stall_seconds < args.readiness_stall_seconds:
+        parser.error(
+            f"--liveness-stall-seconds ({args.liveness_stall_seconds:g}) must be at least "
+            f"--readiness-stall-seconds ({args.readiness_stall_seconds:g}): a stall takes the pod out of the "
+            "Service before it restarts it"
         )
     try:
         source = parse_model_source(args.model, args.revision)
@@ -441,7 +467,7 @@ def main(argv: list[str]) -> int:
             if client is not None:
                 await asyncio.to_thread(client.shutdown)
 
-    app = build_app(state, lifespan)
+    app = build_app(state, lifespan, HealthConfig(args.readiness_stall_seconds, args.liveness_stall_seconds))
     config = uvicorn.Config(
         app,
         host=args.host,
