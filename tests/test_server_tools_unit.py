@@ -178,3 +178,33 @@ def test_response_format_and_structured_outputs_mapping():
     )
     _400(request_structured_outputs, None, {"choice": []}, needle="at least one", param="structured_outputs")
     assert json.loads(json.dumps(request_structured_outputs(None, {"grammar": 'root ::= "a"'}).grammar))
+
+
+def test_an_invalid_schema_is_a_400_naming_the_request_field_and_construct(bundled_model_dir):
+    import asyncio
+
+    from tokenmill.engine.entrypoints.structured_request import check_compiles
+    from tokenmill.engine.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(bundled_model_dir)
+    bad = request_structured_outputs(
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"properties": {"a": {"type": "strin"}}}},
+        },
+        None,
+    )
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(check_compiles(bad, tokenizer, "response_format"))
+    assert e.value.param == "response_format" and e.value.message.startswith(
+        "response_format.json_schema.schema:"
+    )
+    assert '"strin"' in e.value.message
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(
+            check_compiles(request_structured_outputs(None, {"regex": "("}), tokenizer, "structured_outputs")
+        )
+    assert e.value.param == "structured_outputs" and "structured_outputs.regex" in e.value.message
+    asyncio.run(
+        check_compiles(forcing_constraint(plan_tools([WEATHER], "required", None)), tokenizer, "tool_choice")
+    )

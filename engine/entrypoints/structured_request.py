@@ -93,4 +93,8 @@ async def check_compiles(so: StructuredOutputsParams | None, tokenizer: Any, par
     try:
         await asyncio.to_thread(validate_structured_outputs, so, tokenizer)
     except ValueError as e:
-        raise bad_request(f"{param}: {e}", param) from None
+        # The compiler names the engine's field; say which request field held the construct.
+        where = {"response_format": "response_format.json_schema.schema",
+                 "tool_choice": "the function's parameters"}.get(param)  # fmt: skip
+        message = str(e).replace("structured_outputs.json:", f"{where}:", 1) if where else str(e)
+        raise bad_request(message, param) from None
