@@ -26,9 +26,10 @@ STARTUP_DOWNLOAD_BYTES_PER_SECOND = 50e6
 STARTUP_PROBE_PERIOD = 10
 # Probe paths on the engine's HTTP port. Readiness is what the Service routes on: /health answers 503
 # while the model loads or downloads, when the engine core is dead or stalled, and while draining.
-# Liveness restarts a wedged pod.
+# Liveness (/live) restarts a wedged pod: 503 once the engine core has had work but made no step for
+# the engine's --liveness-stall-seconds, or when it is dead; 200 while loading and while healthy.
 READINESS_PATH = "/health"
-LIVENESS_PATH = "/health"
+LIVENESS_PATH = "/live"
 # SIGTERM drains in-flight generations; the engine must finish (or abort) them before the kubelet kills.
 TERMINATION_GRACE_SECONDS = 120
 SHUTDOWN_GRACE_SECONDS = 110

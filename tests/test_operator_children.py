@@ -86,8 +86,9 @@ def test_user_affinity_terms_each_get_the_gpu_requirement():
 def test_probes_use_health_and_the_startup_budget_covers_loading():
     spec, p, dep = build({"model": {"uri": "hf://meta-llama/Llama-3.1-8B"}, "resources": {"gpu": {"type": "nvidia-l4"}}})
     c = container(dep)
-    for probe in ("readinessProbe", "startupProbe", "livenessProbe"):
+    for probe in ("readinessProbe", "startupProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
     # 600 s + 16,060,522,496 bytes read at 100 MB/s (161 s) + downloaded at 50 MB/s (322 s); every 10 s
     assert startup_timeout_seconds(spec, p) == 1083
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1083
@@ -292,3 +293,4 @@ def test_probe_paths_are_served_by_the_engine_without_credentials():
         assert c[probe]["httpGet"]["port"] == "http"
         assert asyncio.run(get(c[probe]["httpGet"]["path"])) in (200, 503), probe
     assert asyncio.run(get(c["readinessProbe"]["httpGet"]["path"])) == 503  # loading: no traffic yet
+    assert asyncio.run(get(c["livenessProbe"]["httpGet"]["path"])) == 200  # loading is alive: no restart
