@@ -31,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "e2e" / "build_cluster_tools.sh"
+KWOK_STAGES = REPO / "e2e" / "kwok_stages.yaml"
 SERVICE_CIDR = "10.96.0.0/24"  # nothing ever connects to ClusterIPs here (no kube-proxy)
 # kwok hands out pod IPs from a loopback range: the operator scrapes pod IPs for metrics, and traffic
 # must never leave this machine. A connection to 127.244.x.y is refused (or reaches a test's server).
@@ -227,11 +228,11 @@ def _log_tail(path: Path, lines: int = 25) -> str:
 
 def _start(workdir: Path, state: dict, name: str, argv: list[str]) -> subprocess.Popen:
     log = workdir / "logs" / f"{name}.log"
-    with open(log, "wb") as f:
+    with open(log, "ab") as f:  # appended: a restarted component keeps its old log
         # A new session: the process outlives `cluster.py up` and a Ctrl-C in the shell does not reach it.
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, cwd=workdir)
-    state["processes"][name] = {"pid": proc.pid, "exe": argv[0], "log": str(log)}
+    state["processes"][name] = {"pid": proc.pid, "exe": argv[0], "log": str(log), "argv": argv}
     _save_state(workdir, state)
     return proc
 
@@ -372,7 +373,9 @@ def _bring_up(c: Cluster, state: dict, pki: Path, nodes: tuple[GPUNode, ...], ti
         # Node health through Leases renewed every 10 s (as kwokctl runs it): without them kwok only
         # refreshes node status about once a minute and the node lifecycle controller flips every node
         # NotReady for a few seconds each time, which marks every pod unready.
-        f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{p['kwok']}"])
+        f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{p['kwok']}",
+        # Pods labelled for e2e/pod_runner.py are not made Ready by kwok (their real processes decide).
+        f"--config={KWOK_STAGES}"])
     _wait_until(lambda: _http_ok(f"http://127.0.0.1:{p['kwok']}/healthz"), "kwok", proc,
                 logs / "kwok.log", timeout)
 
@@ -384,6 +387,28 @@ def _bring_up(c: Cluster, state: dict, pki: Path, nodes: tuple[GPUNode, ...], ti
     c.kubectl("apply", "-f", "-", input=json.dumps(manifest))
     c.kubectl("wait", "--for=condition=Ready", "node", "--all", f"--timeout={int(timeout)}s")
     c.pids.update({n: v["pid"] for n, v in state["processes"].items()})
+
+
+def restart_component(cluster: Cluster, name: str, timeout: float = 120.0) -> float:
+    """Stop one recorded component by PID (SIGTERM) and start it again with the same argv (chaos tests);
+    returns how long it was down. Only the API server's readiness is awaited (the others have none that
+    matters to the tests)."""
+    state = json.loads(_state_path(cluster.workdir).read_text())
+    rec = state["processes"][name]
+    t0 = time.monotonic()
+    if _is_ours(rec["pid"], rec["exe"]):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rec["pid"], signal.SIGTERM)
+        _wait_gone(rec["pid"], 30)
+    proc = _start(cluster.workdir, state, name, rec["argv"])
+    cluster.pids[name] = proc.pid
+    if name == "kube-apiserver":
+        pki = cluster.workdir / "pki"
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        _wait_until(lambda: _http_ok(f"{cluster.server}/readyz", ctx), name, proc,
+                    cluster.workdir / "logs" / f"{name}.log", timeout)
+    return time.monotonic() - t0
 
 
 def load_cluster(workdir: Path) -> Cluster:

@@ -169,6 +169,18 @@ def chart_release(cluster: Cluster) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def hub_standin():
+    """The Hub stand-in (tests/hub_standin.py) on loopback for the session; tests add their repos."""
+    from hub_standin import HubStandin
+
+    hub = HubStandin().start()
+    try:
+        yield hub
+    finally:
+        hub.stop()
+
+
+@pytest.fixture(scope="session")
 def operator(cluster: Cluster, chart_release: str):
     """The operator as a local process with the chart's arguments and its ServiceAccount's token:
     whatever it manages to do, the chart's RBAC allowed."""
@@ -180,3 +192,17 @@ def operator(cluster: Cluster, chart_release: str):
         yield op
     finally:
         op.stop()
+
+
+@pytest.fixture(scope="session")
+def pod_runner(cluster: Cluster):
+    """e2e/pod_runner.py for the session: pods labelled e2e.tokenmill.dev/pod-runner=true run their real
+    containers as local processes (stopped, by PID, at the end)."""
+    from pod_runner import PodRunner
+
+    runner = PodRunner(cluster.kubeconfig, cluster.workdir)
+    runner.start()
+    try:
+        yield runner
+    finally:
+        runner.stop()

@@ -1,0 +1,679 @@
+"""Runs the containers of kwok pods as real local processes, as a kubelet would, and reports back.
+
+kwok fakes kubelets: its pods run nothing, so no argument the operator writes would ever be executed.
+Pods labelled `e2e.tokenmill.dev/pod-runner=true` are left Pending and not ready by kwok (see
+e2e/kwok_stages.yaml); this runner watches them and, for each one:
+
+- resolves each container's environment as the kubelet does (`env` with `value`, `valueFrom`
+  secretKeyRef / configMapKeyRef / fieldRef / resourceFieldRef, `envFrom` with prefixes, `$(VAR)`
+  expansion in env values, command and args; a missing Secret or ConfigMap is the kubelet's
+  CreateContainerConfigError until it appears);
+- maps every volume to a folder (emptyDir, Secret and ConfigMap volumes per pod; a PVC to one folder
+  per claim, so pods sharing a claim share files);
+- runs the init containers one after the other, then the containers, with the pod's own command and
+  args, restarting them per restartPolicy with the kubelet's back-off;
+- runs the startup, readiness and liveness probes against the real process (httpGet, tcpSocket, exec)
+  with the probe's own timing and thresholds, and writes containerStatuses, initContainerStatuses,
+  phase and the Initialized / ContainersReady / Ready conditions to the pod's status.
+
+What differs from the pod spec is DEVIATIONS below, and nothing else (docs/e2e.md has the same list).
+Pod IPs are loopback addresses (kwok's --cidr is 127.244.0.0/16), so a process that binds its pod IP
+is reachable at podIP:containerPort, which is what the operator connects to: traffic stays on loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster import REPO
+
+RUNNER_LABEL = "e2e.tokenmill.dev/pod-runner"
+VENV_BIN = REPO / ".venv" / "bin"
+# GPU-sized KV pools (tens of GB) cannot be allocated on the CI machine; every plan of the bundled model
+# and the tiny test models fits its longest sequence in this.
+KV_CACHE_CAP_BYTES = 256 * 2**20
+BASE_PATH = f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin"
+# The image's built C++ CPU kernels (kernels/cpu.py builds them on first use): the checkout's one build
+# cache, shared by every pod, instead of a compile per pod in its own $HOME (minutes on 2 cores).
+TORCH_EXTENSIONS_DIR = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+BACKOFF_START_S, BACKOFF_MAX_S = 10.0, 300.0  # the kubelet's crash-loop back-off
+TICK_S = 0.25
+NOT_REWRITTEN = ("/dev/shm",)  # the machine's shared memory is the pod's
+
+DEVIATIONS = (
+    "device: no GPU; the nvidia.com/gpu limit is not backed by a device and the engine's --device auto "
+    "picks the CPU",
+    f"KV pool: a --kv-cache-memory above {KV_CACHE_CAP_BYTES} bytes is lowered to {KV_CACHE_CAP_BYTES}",
+    "bind address: --host 0.0.0.0 becomes --host <pod IP> (a loopback address), so each pod has its own "
+    "port space and nothing listens beyond loopback",
+    "paths: a volume's mountPath in command, args, env values and workingDir is rewritten to the volume's "
+    "folder (no mount namespace); a volume mounted at /tmp also sets TMPDIR; /dev/shm is the machine's",
+    "image: the command runs from this checkout's .venv (PATH starts with .venv/bin); the image's "
+    "environment is PATH, HOSTNAME=<pod name>, OMP_NUM_THREADS=1 and TORCH_EXTENSIONS_DIR (the "
+    "checkout's built C++ kernels, shared by all pods) unless the pod sets them",
+    "not enforced: resources (no cgroups), securityContext (user, read-only root, capabilities, seccomp), "
+    "readOnly mounts",
+    "deletion: kwok removes a deleted pod at once; the runner then sends SIGTERM and SIGKILLs after "
+    "terminationGracePeriodSeconds",
+)
+
+
+class ConfigError(Exception):
+    """What the kubelet reports as CreateContainerConfigError (a Secret, ConfigMap or key is missing)."""
+
+
+def now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ---------------------------------------------------------------- pure helpers (unit-tested)
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion: defined names are replaced, undefined ones kept, $$ escapes."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("$(", i) and (end := text.find(")", i + 2)) != -1:
+            name = text[i + 2:end]
+            out.append(env[name] if name in env else text[i:end + 1])
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def rewrite_path(value: str, mounts: dict[str, Path]) -> str:
+    """A string naming a path under a mountPath (alone, after `=` or in a `:` list) -> the host folder."""
+    def one(s: str) -> str:
+        for mount in sorted(mounts, key=len, reverse=True):
+            if s == mount or s.startswith(mount.rstrip("/") + "/"):
+                return str(mounts[mount]) + s[len(mount.rstrip("/")):]
+        return s
+
+    if "=" in value and not value.startswith("/"):
+        key, _, rest = value.partition("=")
+        return f"{key}={rewrite_path(rest, mounts)}"
+    return ":".join(one(part) for part in value.split(":"))
+
+
+def apply_deviations(argv: list[str], pod_ip: str) -> list[str]:
+    """The argv changes in DEVIATIONS: the bind address and the KV pool cap (nothing else)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        for flag, fix in (("--host", lambda v: pod_ip if v in ("0.0.0.0", "::") else v),
+                          ("--kv-cache-memory", _cap_kv)):
+            if arg == flag and i + 1 < len(out):
+                out[i + 1] = fix(out[i + 1])
+            elif arg.startswith(flag + "="):
+                out[i] = f"{flag}={fix(arg.split('=', 1)[1])}"
+    return out
+
+
+def _cap_kv(value: str) -> str:
+    try:
+        return str(min(int(float(value)), KV_CACHE_CAP_BYTES))
+    except ValueError:
+        return value  # a unit form ("2GiB"): left to the engine as written
+
+
+def quantity(text: str) -> float:
+    from kubernetes.utils import parse_quantity
+
+    return float(parse_quantity(text))
+
+
+# ---------------------------------------------------------------- the API side
+
+
+class Api:
+    """The few calls the runner makes, as raw JSON (kubernetes client, admin kubeconfig)."""
+
+    def __init__(self, kubeconfig: Path):
+        from kubernetes import client, config
+
+        self.core = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+
+    def runner_pods(self) -> list[dict]:
+        rsp = self.core.list_pod_for_all_namespaces(label_selector=f"{RUNNER_LABEL}=true",
+                                                    _preload_content=False, _request_timeout=10)
+        return json.loads(rsp.data)["items"]
+
+    def data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's (decoded) or ConfigMap's data, or None if it does not exist."""
+        from kubernetes.client.exceptions import ApiException
+
+        read = self.core.read_namespaced_secret if kind == "Secret" else self.core.read_namespaced_config_map
+        try:
+            obj = json.loads(read(name, namespace, _preload_content=False, _request_timeout=10).data)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        if kind == "Secret":
+            return {k: base64.b64decode(v).decode(errors="replace") for k, v in (obj.get("data") or {}).items()}
+        return dict(obj.get("data") or {})
+
+    def patch_status(self, namespace: str, name: str, status: dict) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.core.patch_namespaced_pod_status(name, namespace, {"status": status}, _request_timeout=10)
+        except ApiException as e:
+            if e.status != 404:  # a pod deleted meanwhile needs no status
+                raise
+
+
+# ---------------------------------------------------------------- one container
+
+
+@dataclass
+class ProbeState:
+    spec: dict
+    next_at: float = 0.0
+    successes: int = 0
+    failures: int = 0
+
+
+@dataclass
+class ContainerRun:
+    """One container of one pod: its resolved process, state and probe bookkeeping."""
+
+    namespace: str
+    pod: str
+    name: str
+    spec: dict
+    init: bool
+    log: Path
+    argv: list[str] = field(default_factory=list)  # what was executed last (after the deviations)
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    proc: subprocess.Popen | None = None
+    restart_count: int = 0
+    state: dict = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    last_state: dict = field(default_factory=dict)
+    started: bool = False
+    ready: bool = False
+    next_start: float = 0.0
+    probes: dict[str, ProbeState] = field(default_factory=dict)
+    probe_log: list[tuple[str, bool]] = field(default_factory=list)  # (probe kind, passed), in order
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def status(self) -> dict:
+        s = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
+             "ready": self.ready, "started": self.started, "restartCount": self.restart_count,
+             "state": self.state, "lastState": self.last_state}
+        if self.proc is not None:
+            s["containerID"] = f"e2e-runner://{self.proc.pid}"
+        return s
+
+
+def _stop_group(proc: subprocess.Popen, grace: float) -> int:
+    """SIGTERM to the container's process group, SIGKILL after `grace`; returns the exit code."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the engine core child, or anything else left in the group
+    return proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------- one pod
+
+
+class PodWorker(threading.Thread):
+    """Everything the kubelet does for one pod, in one thread."""
+
+    def __init__(self, api: Api, pod: dict, pod_dir: Path, claims_dir: Path):
+        super().__init__(daemon=True, name=f"pod-{pod['metadata']['name']}")
+        self.api, self.pod = api, pod
+        self.namespace, self.name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        self.uid = pod["metadata"]["uid"]
+        self.pod_ip = pod["status"]["podIP"]
+        self.dir, self.claims_dir = pod_dir, claims_dir
+        spec = pod["spec"]
+        self.restart_policy = spec.get("restartPolicy", "Always")
+        self.grace = float(spec.get("terminationGracePeriodSeconds", 30))
+        self.init = [ContainerRun(self.namespace, self.name, c["name"], c, True, pod_dir / f"{c['name']}.log")
+                     for c in spec.get("initContainers") or []]
+        self.containers = [ContainerRun(self.namespace, self.name, c["name"], c, False,
+                                        pod_dir / f"{c['name']}.log") for c in spec.get("containers") or []]
+        self.stopping = threading.Event()
+        self.conditions: dict[str, tuple[str, str]] = {}  # type -> (status, lastTransitionTime)
+        self.last_written: dict | None = None
+        self.errors: list[str] = []  # the runner's own failures (a test fails on them)
+        self.api_errors: list[str] = []  # transient API failures, retried
+        self.volumes: dict[str, Path] = {}
+
+    # ---- volumes and environment
+
+    def _prepare_volumes(self) -> None:
+        for v in self.pod["spec"].get("volumes") or []:
+            if "persistentVolumeClaim" in v:
+                path = self.claims_dir / self.namespace / v["persistentVolumeClaim"]["claimName"]
+            else:
+                path = self.dir / "volumes" / v["name"]
+            path.mkdir(parents=True, exist_ok=True)
+            for kind, key in (("Secret", "secret"), ("ConfigMap", "configMap")):
+                if key in v:
+                    self._project(kind, v[key], path)
+            self.volumes[v["name"]] = path
+
+    def _project(self, kind: str, source: dict, path: Path) -> None:
+        name = source.get("secretName") or source.get("name")
+        data = self.api.data(kind, self.namespace, name)
+        if data is None:
+            if source.get("optional"):
+                return
+            raise ConfigError(f'{kind.lower()} "{name}" not found')
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            if item["key"] not in data:
+                raise ConfigError(f"couldn't find key {item['key']} in {kind} {self.namespace}/{name}")
+            target = path / item["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(data[item["key"]])
+
+    def _mounts(self, c: dict) -> dict[str, Path]:
+        mounts = {}
+        for m in c.get("volumeMounts") or []:
+            if m["mountPath"] in NOT_REWRITTEN or m["name"] not in self.volumes:
+                continue
+            host = self.volumes[m["name"]] / m.get("subPath", "")
+            host.mkdir(parents=True, exist_ok=True)
+            mounts[m["mountPath"]] = host
+        return mounts
+
+    def _field(self, path: str) -> str:
+        meta, spec, status = self.pod["metadata"], self.pod["spec"], self.pod["status"]
+        simple = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
+                  "metadata.uid": meta["uid"], "spec.nodeName": spec.get("nodeName", ""),
+                  "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
+                  "status.podIP": self.pod_ip, "status.hostIP": status.get("hostIP", ""),
+                  "status.podIPs": self.pod_ip}
+        if path in simple:
+            return simple[path]
+        m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+        if m:
+            return (meta.get(m.group(1)) or {}).get(m.group(2), "")
+        raise ConfigError(f"unsupported fieldRef {path}")
+
+    def _resource(self, c: dict, ref: dict) -> str:
+        kind, _, res = ref["resource"].partition(".")
+        value = ((c.get("resources") or {}).get(kind) or {}).get(res)
+        if value is None:
+            return "0"
+        divisor = quantity(ref.get("divisor", "1"))
+        return str(math.ceil(quantity(value) / divisor))
+
+    def _lookup(self, kind: str, ref: dict) -> str | None:
+        data = self.api.data(kind, self.namespace, ref["name"])
+        if data is None:
+            if ref.get("optional"):
+                return None
+            raise ConfigError(f'{kind.lower()} "{ref["name"]}" not found')
+        if ref["key"] not in data:
+            if ref.get("optional"):
+                return None
+            raise ConfigError(f"couldn't find key {ref['key']} in {kind} {self.namespace}/{ref['name']}")
+        return data[ref["key"]]
+
+    def resolve(self, run: ContainerRun) -> None:
+        """Environment, argv and working directory, as the kubelet would build them."""
+        c = run.spec
+        mounts = self._mounts(c)
+        env: dict[str, str] = {}
+        for source in c.get("envFrom") or []:
+            kind, ref = ("Secret", source["secretRef"]) if "secretRef" in source else \
+                ("ConfigMap", source["configMapRef"])
+            data = self.api.data(kind, self.namespace, ref["name"])
+            if data is None:
+                if ref.get("optional"):
+                    continue
+                raise ConfigError(f'{kind.lower()} "{ref["name"]}" not found')
+            env.update({source.get("prefix", "") + k: v for k, v in data.items()})
+        for e in c.get("env") or []:
+            if "valueFrom" not in e:
+                env[e["name"]] = expand(e.get("value", ""), env)
+                continue
+            src = e["valueFrom"]
+            if "secretKeyRef" in src:
+                value = self._lookup("Secret", src["secretKeyRef"])
+            elif "configMapKeyRef" in src:
+                value = self._lookup("ConfigMap", src["configMapKeyRef"])
+            elif "fieldRef" in src:
+                value = self._field(src["fieldRef"]["fieldPath"])
+            else:
+                value = self._resource(c, src["resourceFieldRef"])
+            if value is not None:
+                env[e["name"]] = value
+        argv = [expand(a, env) for a in [*(c.get("command") or []), *(c.get("args") or [])]]
+        if not argv:
+            raise ConfigError(f"container {c['name']} has no command (an image's entrypoint cannot be run here)")
+        env = {k: rewrite_path(v, mounts) for k, v in env.items()}
+        if "/tmp" in mounts:
+            env.setdefault("TMPDIR", str(mounts["/tmp"]))
+        base = {"PATH": BASE_PATH, "HOSTNAME": self.name, "OMP_NUM_THREADS": "1",
+                "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS_DIR)}
+        run.env = {**base, **env}
+        exe = shutil.which(argv[0], path=run.env["PATH"]) if "/" not in argv[0] else rewrite_path(argv[0], mounts)
+        if exe is None:
+            raise ConfigError(f'executable "{argv[0]}" not found in $PATH ({run.env["PATH"]})')
+        run.argv = apply_deviations([exe, *[rewrite_path(a, mounts) for a in argv[1:]]], self.pod_ip)
+        # Never the repo root: it holds a package named `operator` that shadows the stdlib one.
+        run.cwd = Path(rewrite_path(c["workingDir"], mounts)) if c.get("workingDir") else self.dir
+        run.cwd.mkdir(parents=True, exist_ok=True)
+
+    # ---- processes
+
+    def _start(self, run: ContainerRun) -> None:
+        try:
+            self.resolve(run)
+        except ConfigError as e:
+            run.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+            run.next_start = time.monotonic() + 2  # the kubelet retries
+            return
+        except Exception as e:  # reading a Secret failed (API server restarting): retry
+            self.api_errors.append(repr(e)[:300])
+            run.next_start = time.monotonic() + 2
+            return
+        with open(run.log, "ab") as f:
+            f.write(f"\n===== {now_rfc3339()} start #{run.restart_count}: {run.argv}\n".encode())
+            f.flush()
+            run.proc = subprocess.Popen(run.argv, env=run.env, cwd=run.cwd, stdout=f, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        run.state = {"running": {"startedAt": now_rfc3339()}}
+        run.started, run.ready = False, False
+        t = time.monotonic()
+        run.probes = {kind: ProbeState(c, t + c.get("initialDelaySeconds", 0))
+                      for kind, c in (("startup", run.spec.get("startupProbe")),
+                                      ("readiness", run.spec.get("readinessProbe")),
+                                      ("liveness", run.spec.get("livenessProbe"))) if c}
+        if "startup" not in run.probes:
+            run.started = True
+
+    def _exited(self, run: ContainerRun, code: int, reason: str | None = None) -> None:
+        started = run.state.get("running", {}).get("startedAt", now_rfc3339())
+        terminated = {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
+                      "startedAt": started, "finishedAt": now_rfc3339(),
+                      "containerID": f"e2e-runner://{run.proc.pid}"}
+        run.ready = run.started = False
+        restart = not run.init and (self.restart_policy == "Always" or
+                                    (self.restart_policy == "OnFailure" and code != 0))
+        restart = restart or (run.init and code != 0 and self.restart_policy != "Never")
+        if restart:
+            backoff = min(BACKOFF_START_S * 2 ** run.restart_count, BACKOFF_MAX_S)
+            run.last_state = {"terminated": terminated}
+            run.state = {"waiting": {"reason": "CrashLoopBackOff",
+                                     "message": f"back-off {backoff:.0f}s restarting failed container"}}
+            run.restart_count += 1
+            run.next_start = time.monotonic() + backoff
+        else:
+            run.state = {"terminated": terminated}
+        run.proc = None if restart else run.proc
+
+    def _kill(self, run: ContainerRun, reason: str) -> None:
+        assert run.proc is not None
+        proc = run.proc
+        code = _stop_group(proc, self.grace)
+        with open(run.log, "ab") as f:
+            f.write(f"\n===== {now_rfc3339()} killed by the runner: {reason}\n".encode())
+        self._exited(run, code, reason="Error" if code else "Completed")
+
+    # ---- probes
+
+    def _probe_once(self, run: ContainerRun, spec: dict) -> bool:
+        timeout = float(spec.get("timeoutSeconds", 1))
+        if "httpGet" in spec:
+            h = spec["httpGet"]
+            port = self._port(run, h["port"])
+            url = f"{h.get('scheme', 'HTTP').lower()}://{h.get('host') or self.pod_ip}:{port}{h.get('path', '/')}"
+            req = urllib.request.Request(url, headers={x["name"]: x["value"] for x in h.get("httpHeaders") or []})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    return 200 <= r.status < 400
+            except urllib.error.HTTPError as e:
+                return 200 <= e.code < 400
+            except (OSError, ValueError):
+                return False
+        if "tcpSocket" in spec:
+            try:
+                with socket.create_connection((self.pod_ip, self._port(run, spec["tcpSocket"]["port"])), timeout):
+                    return True
+            except OSError:
+                return False
+        if "exec" in spec:
+            try:
+                return subprocess.run(spec["exec"]["command"], env=run.env, cwd=run.cwd, timeout=timeout,
+                                      capture_output=True).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+        return False  # grpc probes: not run here (nothing in this project uses them)
+
+    @staticmethod
+    def _port(run: ContainerRun, port: int | str) -> int:
+        if isinstance(port, int) or str(port).isdigit():
+            return int(port)
+        for p in run.spec.get("ports") or []:
+            if p.get("name") == port:
+                return int(p["containerPort"])
+        raise ConfigError(f"no port named {port} in container {run.name}")
+
+    def _run_probes(self, run: ContainerRun) -> None:
+        t = time.monotonic()
+        for kind, st in run.probes.items():
+            if t < st.next_at or (kind != "startup" and not run.started) or (kind == "startup" and run.started):
+                continue
+            ok = self._probe_once(run, st.spec)
+            run.probe_log.append((kind, ok))
+            st.next_at = time.monotonic() + float(st.spec.get("periodSeconds", 10))
+            st.successes, st.failures = (st.successes + 1, 0) if ok else (0, st.failures + 1)
+            if kind == "startup":
+                if ok:
+                    run.started = True
+                    run.probes.get("readiness", st).next_at = time.monotonic()  # probed right after startup
+                elif st.failures >= int(st.spec.get("failureThreshold", 3)):
+                    self._kill(run, "startup probe failed")
+                    return
+            elif kind == "readiness":
+                if ok and st.successes >= int(st.spec.get("successThreshold", 1)):
+                    run.ready = True
+                elif not ok and st.failures >= int(st.spec.get("failureThreshold", 3)):
+                    run.ready = False
+            elif not ok and st.failures >= int(st.spec.get("failureThreshold", 3)):
+                self._kill(run, "liveness probe failed")
+                return
+        if run.started and "readiness" not in run.probes:
+            run.ready = True
+
+    # ---- status
+
+    def _condition(self, type_: str, ok: bool) -> dict:
+        status = "True" if ok else "False"
+        old = self.conditions.get(type_)
+        if old is None or old[0] != status:
+            self.conditions[type_] = (status, now_rfc3339())
+        return {"type": type_, "status": status, "lastTransitionTime": self.conditions[type_][1]}
+
+    def _write_status(self) -> None:
+        initialized = all("terminated" in r.state and r.state["terminated"]["exitCode"] == 0 for r in self.init)
+        ready = initialized and all(r.ready for r in self.containers)
+        running = initialized and any("running" in r.state or r.restart_count for r in self.containers)
+        phase = "Running" if running else "Pending"
+        if initialized and self.containers and all("terminated" in r.state for r in self.containers):
+            phase = "Succeeded" if all(r.state["terminated"]["exitCode"] == 0 for r in self.containers) else "Failed"
+        status = {"phase": phase,
+                  "conditions": [self._condition("Initialized", initialized),
+                                 self._condition("ContainersReady", ready), self._condition("Ready", ready)],
+                  "containerStatuses": [r.status() for r in self.containers]}
+        if self.init:
+            status["initContainerStatuses"] = [r.status() for r in self.init]
+        if status != self.last_written:
+            try:
+                self.api.patch_status(self.namespace, self.name, status)
+            except Exception as e:  # the API server may be restarting: retried next tick
+                self.api_errors.append(repr(e)[:300])
+                return
+            self.last_written = status
+
+    # ---- the loop
+
+    def run(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._loop()
+        except Exception as e:  # reported to the test through runner.errors
+            self.errors.append(f"{self.namespace}/{self.name}: {e!r}")
+        finally:
+            self._stop_all()
+            shutil.rmtree(self.dir / "volumes", ignore_errors=True)  # emptyDirs go with the pod; logs stay
+
+    def _prepare(self) -> bool:
+        try:
+            self._prepare_volumes()
+            return True
+        except ConfigError as e:
+            for r in [*self.init, *self.containers]:
+                r.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+            return False
+        except Exception as e:  # transient API failure: retried
+            self.api_errors.append(repr(e)[:300])
+            return False
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set() and not self._prepare():
+            self._write_status()
+            self.stopping.wait(2)
+        for run in self.init:
+            while not self.stopping.is_set():
+                self._step(run)
+                self._write_status()
+                if "terminated" in run.state and run.state["terminated"]["exitCode"] == 0:
+                    break
+                if "terminated" in run.state:  # restartPolicy Never: the pod has failed
+                    return
+                self.stopping.wait(TICK_S)
+        while not self.stopping.is_set():
+            for run in self.containers:
+                self._step(run)
+            self._write_status()
+            self.stopping.wait(TICK_S)
+
+    def _step(self, run: ContainerRun) -> None:
+        if run.proc is None:
+            if "terminated" not in run.state and time.monotonic() >= run.next_start:
+                self._start(run)
+            return
+        code = run.proc.poll()
+        if code is not None:
+            if "running" in run.state:
+                self._exited(run, code)
+            return
+        try:
+            self._run_probes(run)
+        except ConfigError as e:
+            self.errors.append(str(e))
+
+    def _stop_all(self) -> None:
+        for run in [*self.containers, *self.init]:
+            if run.proc is not None and run.proc.poll() is None:
+                _stop_group(run.proc, self.grace)
+
+    def stop(self, grace: float | None = None) -> None:
+        if grace is not None:
+            self.grace = grace
+        self.stopping.set()
+
+
+# ---------------------------------------------------------------- the runner
+
+
+class PodRunner(threading.Thread):
+    """Watches labelled pods bound to kwok nodes; one PodWorker per pod, stopped when the pod goes."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path, poll_s: float = 0.5):
+        super().__init__(daemon=True, name="pod-runner")
+        self.api = Api(kubeconfig)
+        # Pod folders live under a short path: the engine puts unix sockets in $TMPDIR (a pod volume),
+        # and a socket path must fit in 107 bytes. `workdir/pod-runner` links to it (logs are there).
+        self.root = Path(tempfile.mkdtemp(prefix="tm-pods-"))
+        link = workdir / "pod-runner"
+        if link.is_symlink() or link.exists():
+            link.unlink() if link.is_symlink() else shutil.rmtree(link)
+        link.symlink_to(self.root)
+        self.index = self.root / "pods.txt"  # folder number -> namespace/pod (uid)
+        self.poll_s = poll_s
+        self.workers: dict[str, PodWorker] = {}  # by pod uid
+        self.finished: list[PodWorker] = []
+        self.errors: list[str] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.poll_s):
+            try:
+                pods = self.api.runner_pods()
+            except Exception as e:  # the API server may be restarting (chaos tests)
+                self.errors.append(f"list pods: {e!r}"[:300])
+                continue
+            live = {}
+            for p in pods:
+                if p["metadata"].get("deletionTimestamp") or not p["spec"].get("nodeName") or \
+                        not (p.get("status") or {}).get("podIP"):
+                    continue
+                live[p["metadata"]["uid"]] = p
+            for uid, pod in live.items():
+                if uid not in self.workers:
+                    d = self.root / str(len(self.workers) + len(self.finished))
+                    with open(self.index, "a") as f:
+                        f.write(f"{d.name} {pod['metadata']['namespace']}/{pod['metadata']['name']} ({uid})\n")
+                    w = PodWorker(self.api, pod, d, self.root / "claims")
+                    self.workers[uid] = w
+                    w.start()
+            for uid in [u for u in self.workers if u not in live]:
+                w = self.workers.pop(uid)
+                w.stop()
+                self.finished.append(w)
+
+    def worker(self, namespace: str, pod: str) -> PodWorker | None:
+        for w in list(self.workers.values()):
+            if (w.namespace, w.name) == (namespace, pod):
+                return w
+        return None
+
+    def all_errors(self) -> list[str]:
+        return [*self.errors, *(e for w in [*self.workers.values(), *self.finished] for e in w.errors)]
+
+    def stop(self, grace: float = 20) -> None:
+        """Stop watching, then every pod's processes (SIGTERM, SIGKILL after `grace`)."""
+        self.stopped.set()
+        self.join(timeout=10)
+        workers = [*self.workers.values(), *self.finished]
+        for w in workers:
+            w.stop(grace)
+        for w in workers:
+            w.join(timeout=grace + 15)
