@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -51,7 +52,17 @@ KV_CACHE_CAP_BYTES = 256 * 2**20
 BASE_PATH = f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin"
 # The image's built C++ CPU kernels (kernels/cpu.py builds them on first use): the checkout's one build
 # cache, shared by every pod, instead of a compile per pod in its own $HOME (minutes on 2 cores).
-TORCH_EXTENSIONS_DIR = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+def _torch_extensions_dir() -> Path:
+    """Where this checkout's tests built the kernels (torch's default root holds a py3XX_cuXXX folder;
+    with TORCH_EXTENSIONS_DIR set torch uses that folder as is), else one folder every pod shares."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root = Path.home() / ".cache" / "torch_extensions"
+    built = sorted(root.glob(f"py{sys.version_info.major}{sys.version_info.minor}_*"))
+    return built[0] if built else root / "e2e-pods"
+
+
+TORCH_EXTENSIONS_DIR = _torch_extensions_dir()
 BACKOFF_START_S, BACKOFF_MAX_S = 10.0, 300.0  # the kubelet's crash-loop back-off
 TICK_S = 0.25
 NOT_REWRITTEN = ("/dev/shm",)  # the machine's shared memory is the pod's
