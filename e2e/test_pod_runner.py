@@ -1,0 +1,230 @@
+"""Pods that run their real command: every argument the operator writes is executed by `tokenmill serve`.
+
+The InferenceServices here carry the pod-runner label in spec.template.labels (the operator copies it
+onto the pods); e2e/pod_runner.py then runs each pod's containers as local processes and the pods'
+readiness follows the engines' real probes. The unit tests at the top need no cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+from pathlib import Path
+
+import httpx
+from cluster import Cluster
+from e2e_helpers import (
+    ISVC,
+    OperatorProcess,
+    apply,
+    condition,
+    get,
+    items,
+    ready_for_current_generation,
+    wait_for,
+)
+from gitops_tools import kstatus
+from pod_runner import (
+    KV_CACHE_CAP_BYTES,
+    RUNNER_LABEL,
+    PodRunner,
+    PodWorker,
+    apply_deviations,
+    expand,
+    rewrite_path,
+)
+from test_examples import example
+
+ENGINE_START_S = 420  # model load on a busy shared 2-core machine (seen: 20-90 s)
+
+
+# ---------------------------------------------------------------- unit tests of the kubelet rules
+
+
+def test_expand_follows_the_kubelet_rules() -> None:
+    env = {"A": "1", "B": "x y"}
+    assert expand("$(A)-$(B)", env) == "1-x y"
+    assert expand("$(MISSING) stays", env) == "$(MISSING) stays"
+    assert expand("$$(A) is escaped, $$ alone too", env) == "$(A) is escaped, $ alone too"
+    assert expand("$(unclosed", env) == "$(unclosed"
+
+
+def test_paths_under_a_mount_are_rewritten_and_nothing_else() -> None:
+    mounts = {"/cache": Path("/w/p/cache"), "/models/claim": Path("/w/claims/claim")}
+    assert rewrite_path("/cache", mounts) == "/w/p/cache"
+    assert rewrite_path("/cache/huggingface", mounts) == "/w/p/cache/huggingface"
+    assert rewrite_path("--download-dir=/cache/x", mounts) == "--download-dir=/w/p/cache/x"
+    assert rewrite_path("/models/claim/llama", mounts) == "/w/claims/claim/llama"
+    assert rewrite_path("/cachedir", mounts) == "/cachedir"  # a prefix of a name is not a mount
+    assert rewrite_path("/a:/cache/b", mounts) == "/a:/w/p/cache/b"
+    assert rewrite_path("bundled://smollm2", mounts) == "bundled://smollm2"
+
+
+def test_deviations_touch_only_the_bind_address_and_the_kv_pool() -> None:
+    argv = ["tokenmill", "serve", "--host", "0.0.0.0", "--port", "8000", "--kv-cache-memory", str(20 * 2**30),
+            "--max-model-len", "8192"]
+    out = apply_deviations(argv, "127.244.0.7")
+    assert out == ["tokenmill", "serve", "--host", "127.244.0.7", "--port", "8000", "--kv-cache-memory",
+                   str(256 * 2**20), "--max-model-len", "8192"]
+    small = ["x", "--kv-cache-memory=1000", "--host=127.0.0.1"]
+    assert apply_deviations(small, "127.244.0.7") == small
+
+
+class _FakeApi:
+    """Stands in for the API server in the unit test only (the e2e tests below use the real one)."""
+
+    def __init__(self, objects: dict[tuple[str, str], dict[str, str]]):
+        self.objects = objects
+
+    def data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
+        return self.objects.get((kind, name))
+
+
+def _pod(container: dict) -> dict:
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "labels": {"app": "a"}},
+            "spec": {"containers": [container], "nodeName": "n1",
+                     "volumes": [{"name": "cache", "emptyDir": {}}]},
+            "status": {"podIP": "127.244.0.9", "hostIP": "127.0.0.1"}}
+
+
+def test_environment_is_resolved_like_the_kubelet(tmp_path: Path) -> None:
+    c = {"name": "engine", "command": ["tokenmill", "serve"], "args": ["--name", "$(POD)", "--dir", "$(HOME)/x"],
+         "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}, {"secretRef": {"name": "s"}}],
+         "env": [{"name": "HOME", "value": "/cache"},
+                 {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
+                 {"name": "LEVEL", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "level"}}},
+                 {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                 {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+                 {"name": "GONE", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "k", "optional": True}}},
+                 {"name": "BOTH", "value": "$(LEVEL)-$(APP)"}],
+         "volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}
+    api = _FakeApi({("Secret", "s"): {"token": "t0k", "EXTRA": "e"}, ("ConfigMap", "cm"): {"level": "debug"}})
+    w = PodWorker(api, _pod(c), tmp_path / "pod", tmp_path / "claims")  # type: ignore[arg-type]
+    w._prepare_volumes()
+    run = w.containers[0]
+    w.resolve(run)
+    cache = tmp_path / "pod" / "volumes" / "cache"
+    assert run.env["TOKEN"] == "t0k" and run.env["EXTRA"] == "e" and run.env["CM_level"] == "debug"
+    assert run.env["LEVEL"] == "debug" and run.env["POD"] == "p" and run.env["APP"] == "a"
+    assert run.env["BOTH"] == "debug-a" and "GONE" not in run.env
+    assert run.env["HOME"] == str(cache)
+    assert run.argv[1:] == ["serve", "--name", "p", "--dir", f"{cache}/x"]
+    assert Path(run.argv[0]).name == "tokenmill"
+
+    missing = dict(c, env=[{"name": "K", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "k"}}}], envFrom=[])
+    w2 = PodWorker(api, _pod(missing), tmp_path / "pod2", tmp_path / "claims")  # type: ignore[arg-type]
+    w2._start(w2.containers[0])
+    assert w2.containers[0].state == {"waiting": {"reason": "CreateContainerConfigError",
+                                                  "message": 'secret "absent" not found'}}
+
+
+def test_pods_sharing_a_claim_share_its_folder(tmp_path: Path) -> None:
+    def pod(uid: str) -> dict:
+        p = _pod({"name": "engine", "command": ["true"]})
+        p["metadata"]["uid"] = uid
+        p["spec"]["volumes"] = [{"name": "m", "persistentVolumeClaim": {"claimName": "models"}}]
+        return p
+
+    a = PodWorker(_FakeApi({}), pod("a"), tmp_path / "a", tmp_path / "claims")  # type: ignore[arg-type]
+    b = PodWorker(_FakeApi({}), pod("b"), tmp_path / "b", tmp_path / "claims")  # type: ignore[arg-type]
+    a._prepare_volumes()
+    b._prepare_volumes()
+    (a.volumes["m"] / "weights").write_text("w")
+    assert (b.volumes["m"] / "weights").read_text() == "w"
+
+
+# ---------------------------------------------------------------- e2e: real engines behind the pods
+
+
+def with_runner(isvc: dict) -> dict:
+    isvc = copy.deepcopy(isvc)
+    template = isvc["spec"].setdefault("template", {})
+    template.setdefault("labels", {})[RUNNER_LABEL] = "true"
+    return isvc
+
+
+def runner_pods(cluster: Cluster, namespace: str, name: str) -> list[dict]:
+    pods = items(cluster, "pods", namespace, f"serving.tokenmill.dev/inferenceservice={name}")
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def wait_ready_sampling_kstatus(cluster: Cluster, namespace: str, name: str, generation: int = 1) -> tuple[dict, list]:
+    """Wait for Ready for `generation`, judging the live object with kstatus at every poll."""
+    seen: list[tuple[int | None, int, str]] = []  # (observedGeneration, generation, kstatus)
+
+    def check() -> dict | None:
+        o = get(cluster, ISVC, name, namespace)
+        if o is None:
+            return None
+        seen.append(((o.get("status") or {}).get("observedGeneration"), o["metadata"]["generation"],
+                     kstatus([o])[0]["status"]))
+        return o if o["metadata"]["generation"] == generation and ready_for_current_generation(o) \
+            and o["status"].get("readyReplicas") == o["status"].get("desiredReplicas") else None
+
+    return wait_for(check, f"Ready=True for generation {generation} with real engines", timeout=ENGINE_START_S,
+                    interval=1.0), seen
+
+
+def proc_argv(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
+
+
+def completion(pod: dict, headers: dict | None = None) -> httpx.Response:
+    """A completion from the engine behind the pod, for the model name the operator gave it. The first
+    forward may build the C++ CPU kernels (kernels/cpu.py; minutes on a busy 2-core machine when another
+    checkout's build replaced the shared cache), hence the long timeout."""
+    args = pod["spec"]["containers"][0]["args"]
+    model = args[args.index("--served-model-name") + 1]
+    url = f"http://{pod['status']['podIP']}:8000/v1/completions"
+    return httpx.post(url, json={"model": model, "prompt": "The capital of France is", "max_tokens": 4,
+                                 "temperature": 0}, headers=headers or {}, timeout=600)
+
+
+def assert_runs_deployment_argv(cluster: Cluster, runner: PodRunner, namespace: str, name: str,
+                                pod: dict) -> None:
+    """The process behind the pod is the Deployment's own command + args, except the two documented
+    deviations (bind address, KV pool cap), each checked on its own."""
+    c = get(cluster, "deployment", name, namespace)["spec"]["template"]["spec"]["containers"][0]
+    worker = runner.worker(namespace, pod["metadata"]["name"])
+    assert worker is not None, f"the runner runs no process for pod {pod['metadata']['name']}"
+    run = next(r for r in worker.containers if r.name == c["name"])
+    assert run.pid is not None, run.state
+    argv = proc_argv(run.pid)
+    # A console script: the kernel runs the venv's python on .venv/bin/tokenmill.
+    assert Path(argv[1]).name == c["command"][0] and Path(argv[1]).parent.name == "bin", argv
+    wanted = [*c["command"][1:], *c["args"]]
+    got = argv[2:]
+    assert len(got) == len(wanted), (got, wanted)
+    diffs = {i for i, (a, b) in enumerate(zip(got, wanted, strict=True)) if a != b}
+    host, kv = wanted.index("--host") + 1, wanted.index("--kv-cache-memory") + 1
+    assert diffs <= {host, kv}, [(wanted[i], got[i]) for i in sorted(diffs)]
+    assert wanted[host] == "0.0.0.0" and got[host] == pod["status"]["podIP"]
+    assert int(got[kv]) == min(int(wanted[kv]), KV_CACHE_CAP_BYTES)
+    assert ipaddress.ip_address(pod["status"]["podIP"]).is_loopback
+
+
+def test_bundled_example_runs_the_deployment_argv_and_answers(
+        cluster: Cluster, operator: OperatorProcess, pod_runner: PodRunner, namespace: str) -> None:
+    isvc = with_runner(next(d for d in example("bundled-one-gpu.yaml", namespace) if d["kind"] == "InferenceService"))
+    name = isvc["metadata"]["name"]
+    apply(cluster, isvc)
+    _, seen = wait_ready_sampling_kstatus(cluster, namespace, name)
+    [pod] = runner_pods(cluster, namespace, name)
+    assert_runs_deployment_argv(cluster, pod_runner, namespace, name, pod)
+
+    # Readiness came from the real probe: the engine's /health failed before it passed (model load).
+    run = pod_runner.worker(namespace, pod["metadata"]["name"]).containers[0]
+    assert ("startup", False) in run.probe_log and ("readiness", True) in run.probe_log, run.probe_log
+    status = pod["status"]["containerStatuses"][0]
+    assert status["ready"] and status["started"] and "running" in status["state"], status
+    assert condition(pod, "Ready")["lastTransitionTime"] >= status["state"]["running"]["startedAt"]
+
+    # kstatus (Flux, kpt) saw it reconciling for the current generation, then Current.
+    assert any(s == "InProgress" and og == g for og, g, s in seen), seen
+    assert seen[-1][2] == "Current", seen
+
+    rsp = completion(pod)
+    assert rsp.status_code == 200, rsp.text
+    body = rsp.json()
+    assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1, body
+    assert pod_runner.all_errors() == []
