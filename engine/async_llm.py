@@ -1,7 +1,7 @@
 """AsyncLLM: the API process's side of the engine.
 
-It tokenizes and applies chat templates on a worker thread (a long prompt never stalls the event
-loop that feeds every other stream), counts admission, turns the core's token ids into text with the
+It tokenizes and applies chat templates through a TokenizerPool (tokenizer_pool.py: one worker thread,
+so a long prompt never stalls the event loop that feeds every other stream), counts admission, turns the core's token ids into text with the
 OutputProcessor, and hands each request its outputs through its own asyncio queue. A request whose
 consumer goes away (client disconnect, cancellation) is aborted in the core, which frees its blocks.
 
@@ -18,7 +18,6 @@ import copy
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from tokenmill.engine.core_client import EngineDeadError, EngineInfo, RejectedRe
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import EngineCoreRequest, RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class AsyncLLM:
         self.on_dead = on_dead
         # The detokenizer gets its own copy: the tokenizer thread and the event loop never share one.
         self.processor = OutputProcessor(copy.deepcopy(tokenizer))
-        # One thread: requests tokenize in arrival order and the tokenizer is never used concurrently.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.tokenizers = TokenizerPool(tokenizer)
         self._states: dict[str, _RequestState] = {}
         self._unscheduled: set[str] = set()  # admitted, not yet run by the scheduler
         self._preprocessing: set[str] = set()  # admitted, not yet sent to the core
@@ -104,7 +103,7 @@ class AsyncLLM:
                 await self._output_task
             except (asyncio.CancelledError, Exception):
                 pass
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenizers.shutdown()
 
     @property
     def num_in_flight(self) -> int:
@@ -143,14 +142,9 @@ class AsyncLLM:
             self._preprocessing.discard(rid)
             self._in_flight.discard(rid)
 
-    # ---- tokenization (worker thread) ----------------------------------------------------------
-    async def _in_pool(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
+    # ---- tokenization (TokenizerPool's worker thread) -----------------------------------------
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._in_pool(
-            lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        )
+        return await self.tokenizers.encode(text, add_special_tokens)
 
     async def apply_chat_template(
         self,
@@ -158,19 +152,10 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        def run() -> tuple[str, list[int]]:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
-            )
-            # The template already carries any BOS; adding special tokens again would double it.
-            return text, list(self.tokenizer.encode(text, add_special_tokens=False))
-
-        return await self._in_pool(run)
+        return await self.tokenizers.apply_chat_template(messages, add_generation_prompt, tools)
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return await self._in_pool(
-            lambda: self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        )
+        return await self.tokenizers.decode(token_ids, skip_special_tokens)
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(
