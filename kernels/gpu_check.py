@@ -11,6 +11,8 @@ What it does (figures go to docs/kernels.md):
 2. Decode replayed as a CUDA graph equals eager decode.
 3. Timing: decode kernel time, achieved GB/s of K/V read vs the device's copy bandwidth, and
    torch SDPA over the same K/V gathered into contiguous (unpaged) tensors.
+4. Tensor parallel (gpu_check_tp.py): NCCL all-reduce bandwidth and TP=2 greedy parity; skipped with
+   fewer than 2 GPUs.
 Exit status: 0 all checks pass, 1 a check failed, 2 no CUDA device.
 """
 
@@ -256,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         bench_decode(
             device, torch.bfloat16, 256, 1024, 9, 3, 64, 16, copy_gbs, gen
         )  # the bundled SmolLM2 shape
+        from tokenmill.kernels.gpu_check_tp import check_tensor_parallel
+
+        if not check_tensor_parallel():  # NCCL all-reduce bandwidth, TP=2 parity; skips under 2 GPUs
+            _failures.append("tensor parallel")
     print(f"{len(_failures)} check(s) failed; took {time.perf_counter() - start:.0f} s")
     return 1 if _failures else 0
 

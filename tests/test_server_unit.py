@@ -62,7 +62,7 @@ def test_flags_defaults_and_env_with_command_line_winning():
         (["--max-num-seqs", "0"], {}),
         (["--port", "70000"], {}),
         (["--kv-cache-memory", "lots"], {}),
-        (["--tensor-parallel-size", "2"], {}),
+        (["--tensor-parallel-size", "0"], {}),
     ],
 )
 def test_bad_flags_exit_with_usage_error(argv, env, capsys):

@@ -171,11 +171,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-access-log", action="store_true")
+    # Parallelism (docs/engine.md, "Tensor and pipeline parallel"). Multi-node defaults come from the
+    # LeaderWorkerSet env (LWS_GROUP_SIZE, LWS_WORKER_INDEX, LWS_LEADER_ADDRESS).
     p.add_argument(
-        "--tensor-parallel-size",
-        type=_positive_int,
-        default=1,
-        help="GPUs per replica; the engine runs on one device, so only 1 is accepted today",
+        "--tensor-parallel-size", type=_positive_int, default=1, help="ranks (GPUs) each layer is split over"
+    )
+    p.add_argument(
+        "--pipeline-parallel-size", type=_positive_int, default=1, help="stages the layers are split into"
+    )
+    p.add_argument(
+        "--nnodes", type=_positive_int, default=None, help="nodes of one replica (default: LWS_GROUP_SIZE, or 1)"
+    )
+    p.add_argument(
+        "--node-rank", type=_non_negative_int, default=None, help="this node's index (default: LWS_WORKER_INDEX, or 0)"
+    )
+    p.add_argument(
+        "--leader-address", default=None, help="headless workers: the leader's host (default: LWS_LEADER_ADDRESS)"
+    )
+    p.add_argument(
+        "--dist-port", type=_port, default=0, help="leader's rendezvous port; 0: a free one (one node) or 29500"
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=_seconds,
+        default=DEFAULTS.collective_timeout_s,
+        help="seconds a step waits on another rank before the engine declares it hung and exits",
+    )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="multi-node worker: start this node's ranks for the leader's engine, serve no HTTP",
     )
     p.add_argument(
         "--generation-config",
@@ -238,12 +263,6 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
     args = parser.parse_args(argv)
     if args.num_kv_blocks is not None and args.kv_cache_memory is not None:
         parser.error("give --num-kv-blocks or --kv-cache-memory, not both (also via TOKENMILL_*)")
-    if args.tensor_parallel_size != 1:
-        # The operator sizes replicas that need several GPUs; say plainly that this engine cannot run them.
-        parser.error(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not implemented; this "
-            "engine runs a model on one device (pick a GPU type whose memory holds the weights)"
-        )
     if args.liveness_stall_seconds < args.readiness_stall_seconds:
         parser.error(
             f"--liveness-stall-seconds ({args.liveness_stall_seconds:g}) must be at least "
@@ -255,9 +274,38 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
         args.override_generation_config = parse_override(args.override_generation_config)
     except (ModelSourceError, ValueError) as e:
         parser.error(str(e))
+    _resolve_nodes(args, env, parser)
     if args.served_model_name is None:
         args.served_model_name = [source.default_served_name]
     return args
+
+
+def _resolve_nodes(args: argparse.Namespace, env: dict[str, str], parser: argparse.ArgumentParser) -> None:
+    """--nnodes / --node-rank / --leader-address from the LeaderWorkerSet env when not given."""
+    for dest, name in (("nnodes", "LWS_GROUP_SIZE"), ("node_rank", "LWS_WORKER_INDEX")):
+        if getattr(args, dest) is None:
+            raw = env.get(name, "")
+            try:
+                setattr(args, dest, int(raw) if raw else (1 if dest == "nnodes" else 0))
+            except ValueError:
+                parser.error(f"{name}={raw!r}: expected an integer")
+    if args.leader_address is None:
+        args.leader_address = env.get("LWS_LEADER_ADDRESS") or None
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    if args.nnodes < 1 or ranks % args.nnodes:
+        parser.error(
+            f"{ranks} ranks (--tensor-parallel-size {args.tensor_parallel_size} x --pipeline-parallel-size "
+            f"{args.pipeline_parallel_size}) do not split evenly over {args.nnodes} nodes"
+        )
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"node rank {args.node_rank} is outside the {args.nnodes} nodes of this replica")
+    if args.headless and (args.node_rank == 0 or not args.leader_address):
+        parser.error(
+            "--headless runs a worker node: it needs a node rank of 1 or more (--node-rank / LWS_WORKER_INDEX) "
+            "and the leader's address (--leader-address / LWS_LEADER_ADDRESS)"
+        )
+    if not args.headless and args.node_rank != 0:
+        parser.error(f"node rank {args.node_rank} is a worker node: run `tokenmill serve --headless` there")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -274,6 +322,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        dist_port=args.dist_port,
+        collective_timeout_s=args.collective_timeout,
     )
 
 
@@ -445,6 +498,12 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.headless:  # a worker node of a multi-node replica: its ranks only, no HTTP
+        from tokenmill.engine.parallel_executor import DEFAULT_DIST_PORT
+        from tokenmill.engine.parallel_worker import run_headless
+
+        port = args.dist_port or DEFAULT_DIST_PORT
+        return run_headless(engine_config(args), args.node_rank, args.leader_address, port)
     state = ServerState(
         served_model_names=list(args.served_model_name),
         api_key=args.api_key or None,

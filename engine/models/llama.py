@@ -3,6 +3,12 @@
 The differences are flags on ModelConfig: qkv_bias/o_bias (Qwen2, attention_bias), qk_norm (Qwen3),
 rope_scaling (Llama 3), tie_word_embeddings. Inputs are one flattened step: all scheduled tokens of all
 sequences in a single [num_tokens] batch, attention through the paged KV cache.
+
+Tensor parallel (ParallelState): each rank builds only its share, Megatron-style. qkv_proj and
+gate_up_proj hold whole heads / an even slice of the MLP width (column parallel), o_proj and down_proj
+the matching input columns (row parallel) followed by one all-reduce each; the embedding and LM head
+hold a slice of the vocabulary. Pipeline parallel: a stage builds only its layers and takes / returns
+the hidden state and residual at the stage boundary.
 """
 
 import torch
@@ -19,17 +25,27 @@ from tokenmill.engine.layers import (
     silu_and_mul,
 )
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.parallel_state import (
+    SINGLE,
+    ParallelState,
+    kv_head_range,
+    layer_range,
+    tp_all_reduce,
+    tp_gather_vocab,
+    vocab_shard,
+)
 from torch import nn
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.par = par
+        self.num_heads = config.num_attention_heads // par.tp_size
+        self.num_kv_heads = len(kv_head_range(config.num_key_value_heads, par.tp_rank, par.tp_size))
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         # One GEMM for q, k and v: rows [q | k | v], the loader writes each HF projection into its slice.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
@@ -62,25 +78,48 @@ class LlamaAttention(nn.Module):
             q = rope.apply(q)
             k = rope.apply(k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        # Row parallel: each rank's partial product over its heads; the sum is the full projection.
+        return tp_all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.par)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
-        # One GEMM for gate and up: rows [gate | up].
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.par = par
+        inter = config.intermediate_size // par.tp_size
+        # One GEMM for gate and up: rows [gate | up] (this rank's slice of each).
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return tp_all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.par)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows [first, first + rows) of the vocabulary; other ids embed to zero here and
+    come from their rank through the all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, par: ParallelState = SINGLE) -> None:
+        super().__init__()
+        self.par = par
+        self.first, rows = vocab_shard(vocab_size, par.tp_rank, par.tp_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.par.tp_group is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden.masked_fill_(outside.unsqueeze(1), 0)
+        return tp_all_reduce(hidden, self.par)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, par)
+        self.mlp = LlamaMLP(config, par)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,11 +142,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.par = par
+        # The first stage embeds; the last needs the matrix too when the LM head is tied to it.
+        needs_embed = par.is_first_stage or (par.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, par) if needs_embed else None
+        self.layer_ids = layer_range(config.num_hidden_layers, par.pp_rank, par.pp_size)
+        # Only this stage's layers; the loader maps checkpoint layer i to local i - layer_ids.start.
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, par) for _ in self.layer_ids)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if par.is_last_stage else None
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -118,12 +162,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        stage_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage returns the normed hidden state; earlier ones (hidden, residual) for the next."""
+        if stage_input is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = stage_input
         rope = self.rotary_emb.for_positions(positions, hidden.dtype)
-        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -131,12 +181,16 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """model(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden_size]."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.par = par
+        self.model = LlamaModel(config, par)
         # Tied models reuse the embedding matrix as the output projection (no separate parameter).
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None
+        if par.is_last_stage and not config.tie_word_embeddings:
+            rows = vocab_shard(config.vocab_size, par.tp_rank, par.tp_size)[1]
+            self.lm_head = Linear(config.hidden_size, rows, bias=False)
         self.lm_head_packed: torch.Tensor | None = None
 
     def forward(
@@ -145,20 +199,25 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        stage_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, kv_caches, attn_metadata, stage_input)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (only the rows that need a next token) -> fp32 logits [N, vocab]."""
+        """hidden [N, hidden_size] (only the rows that need a next token) -> fp32 logits [N, vocab]
+        (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
         if self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
-            return packed_linear(hidden, self.lm_head_packed).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            local = packed_linear(hidden, self.lm_head_packed).float()
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            local = F.linear(hidden, weight).float()
+        return tp_gather_vocab(local, self.par, self.config.vocab_size)
 
     def prepack_linears(self) -> None:
         """Swap every projection (and the LM head, tied or not) to oneDNN-prepacked weights (bf16 CPU)."""
         for module in self.model.modules():  # the decoder; the LM head is packed once, below
             if isinstance(module, Linear):
                 module.prepack()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_packed = prepack_weight(weight)
+        if self.par.is_last_stage:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head_packed = prepack_weight(weight)

@@ -1,0 +1,202 @@
+"""Rank 0's side of tensor/pipeline parallelism: start this node's other ranks, join the group, watch them.
+
+The engine core process is rank 0: it keeps the scheduler and the sampler, runs its own shard, and
+broadcasts each step (step_input.py). The other ranks of this node are `python -m
+tokenmill.engine.parallel_worker` processes; ranks on other nodes come from `tokenmill serve --headless`
+there (docs/engine.md, "Multi-node launch"). A watchdog thread notices a local rank that exits and
+takes the engine down at once, naming the rank.
+"""
+
+import _thread
+import atexit
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.parallel_state import ParallelState, init_parallel, layer_range
+from tokenmill.engine.step_input import broadcast_step
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DIST_PORT = 29500  # multi-node: the port workers dial on the leader (TOKENMILL_DIST_PORT)
+WATCHDOG_POLL_S = 0.2
+# After a rank died, the main thread gets an interrupt; if it sits in a C call that never returns
+# (a collective), the process exits by itself after this long.
+EXIT_GRACE_S = 3.0
+SHUTDOWN_WAIT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_command(
+    config: EngineConfig, rank: int, local_rank: int, master_addr: str, master_port: int, device_type: str
+) -> list[str]:
+    """The command line of one local worker rank (the same one `tokenmill serve --headless` runs)."""
+    return [
+        sys.executable, "-m", "tokenmill.engine.parallel_worker",
+        "--rank", str(rank),
+        "--local-rank", str(local_rank),
+        "--tensor-parallel-size", str(config.tensor_parallel_size),
+        "--pipeline-parallel-size", str(config.pipeline_parallel_size),
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--device", device_type,
+        "--collective-timeout", str(config.collective_timeout_s),
+        *(["--model", config.model] if config.model else []),
+    ]  # fmt: skip
+
+
+def spawn_local_ranks(
+    config: EngineConfig, ranks: range, first_local: int, master_addr: str, master_port: int, device_type: str
+) -> dict[int, subprocess.Popen]:
+    """Start one worker process per rank. Their working directory is not the repository root: there,
+    the repository's operator/ package would shadow the standard library's `operator` module."""
+    procs = {}
+    for i, rank in enumerate(ranks):
+        cmd = worker_command(config, rank, first_local + i, master_addr, master_port, device_type)
+        procs[rank] = subprocess.Popen(cmd, cwd="/")
+        logger.info("started parallel rank %d (pid %d)", rank, procs[rank].pid)
+    return procs
+
+
+class RankWatchdog:
+    """Polls local rank processes; the first that exits takes this process down, with its rank in the log."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen], on_death: str = "interrupt") -> None:
+        self.procs = procs
+        self.dead: str | None = None
+        self._stop = threading.Event()
+        self._on_death = on_death
+        self._thread = threading.Thread(target=self._run, name="rank-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCHDOG_POLL_S):
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is None:
+                    continue
+                self.dead = f"parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+                logger.error("%s; the engine cannot run without it and exits", self.dead)
+                for other in self.procs.values():
+                    if other.poll() is None:
+                        other.kill()
+                if self._on_death == "exit":
+                    os._exit(1)
+                _thread.interrupt_main()
+                time.sleep(EXIT_GRACE_S)
+                logger.error("%s; exiting", self.dead)
+                os._exit(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclasses.dataclass(slots=True)
+class LeaderGroup:
+    """Rank 0's handle on the group: shut it down in order once."""
+
+    par: ParallelState
+    procs: dict[int, subprocess.Popen]
+    watchdog: RankWatchdog
+    closed: bool = False
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.watchdog.stop()
+        try:
+            broadcast_step(None, self.par.control_group)
+        except Exception as e:  # a rank is already gone; the others exit on their own
+            logger.warning("could not tell the parallel ranks to stop: %s", e)
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        dist.destroy_process_group()
+
+
+def start_leader(config: EngineConfig, device: torch.device) -> LeaderGroup:
+    """Start this node's worker ranks, join the group as rank 0 and send every rank the config."""
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    per_node = world // config.nnodes
+    if config.nnodes > 1:
+        port = config.dist_port or DEFAULT_DIST_PORT
+        master_addr = "0.0.0.0"
+    else:
+        port = config.dist_port or free_port()
+        master_addr = "127.0.0.1"
+    procs = spawn_local_ranks(config, range(1, per_node), 1, "127.0.0.1", port, device.type)
+    watchdog = RankWatchdog(procs)
+    try:
+        par = init_parallel(config, 0, master_addr, port, device)
+        dist.broadcast_object_list([dataclasses.asdict(config)], src=0, group=par.control_group)
+    except BaseException:
+        watchdog.stop()
+        for proc in procs.values():
+            proc.kill()
+        raise
+    group = LeaderGroup(par, procs, watchdog)
+    atexit.register(group.shutdown)
+    logger.info(
+        "parallel group up: tensor_parallel_size=%d x pipeline_parallel_size=%d = %d ranks over %d node(s)",
+        config.tensor_parallel_size, config.pipeline_parallel_size, world, config.nnodes,
+    )  # fmt: skip
+    return group
+
+
+def agree_num_kv_blocks(num_blocks: int, par: ParallelState) -> int:
+    """Every rank's pool has the same number of blocks (the scheduler's): the smallest any rank fits."""
+    if par.world_size == 1:
+        return num_blocks
+    t = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=par.control_group)
+    return int(t.item())
+
+
+def make_runner(
+    model: torch.nn.Module,
+    mc: ModelConfig,
+    config: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    par: ParallelState,
+) -> ModelRunner:
+    """One rank's ModelRunner: a pool for its stage's layers and its KV heads."""
+    from tokenmill.engine.parallel_state import kv_head_range
+
+    return ModelRunner(
+        model,
+        num_layers=len(layer_range(mc.num_hidden_layers, par.pp_rank, par.pp_size)),
+        num_kv_heads=len(kv_head_range(mc.num_key_value_heads, par.tp_rank, par.tp_size)),
+        head_dim=mc.head_dim,
+        vocab_size=mc.vocab_size,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        device=device,
+        enforce_eager=config.enforce_eager,
+        hidden_size=mc.hidden_size,
+        par=par,
+    )

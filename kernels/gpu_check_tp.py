@@ -1,0 +1,98 @@
+"""The tensor-parallel part of `python -m tokenmill.kernels.gpu_check`: needs 2 or more CUDA GPUs.
+
+1. NCCL all-reduce bus bandwidth between 2 GPUs (bf16, 256 MiB, as nccl-tests reports it).
+2. TP=2 greedy parity: the bundled model in fp32 on 2 GPUs gives the tokens it gives on one.
+Fewer than 2 GPUs: prints why and skips (counts as passed).
+"""
+
+import datetime
+import subprocess
+import sys
+import time
+
+import torch
+
+ALLREDUCE_BYTES = 256 << 20
+ALLREDUCE_ITERS = 20
+PROMPTS = [[1, 504, 3458, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 9906, 11, 856, 836, 374]]
+
+
+def _allreduce_rank(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=2)
+    x = torch.ones(ALLREDUCE_BYTES // 2, dtype=torch.bfloat16, device=f"cuda:{rank}")
+    for _ in range(3):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(ALLREDUCE_ITERS):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / ALLREDUCE_ITERS
+    if rank == 0:
+        # bus bandwidth of a ring all-reduce over n ranks: 2 (n - 1) / n x bytes / time
+        print(f"  nccl all-reduce 2 GPUs, {ALLREDUCE_BYTES >> 20} MiB bf16: {dt * 1e3:.2f} ms, "
+              f"bus bandwidth {ALLREDUCE_BYTES / dt / 1e9:.0f} GB/s")  # fmt: skip
+    dist.destroy_process_group()
+
+
+def allreduce_bandwidth() -> bool:
+    from tokenmill.engine.parallel_executor import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenmill.kernels.gpu_check_tp", "--allreduce-rank"]
+    # cwd "/": the repository root's operator/ package would shadow the standard library's operator.
+    procs = [subprocess.Popen([*cmd, str(r), str(port)], cwd="/") for r in range(2)]
+    codes = [p.wait(timeout=300) for p in procs]
+    if any(codes):
+        print(f"  FAIL nccl all-reduce: rank exit codes {codes}")
+    return not any(codes)
+
+
+def greedy_tokens(tp: int) -> list[list[int]]:
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.engine_core import EngineCore
+    from tokenmill.engine.outputs import EngineCoreRequest
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    core = EngineCore(
+        EngineConfig(dtype="float32", device="cuda", tensor_parallel_size=tp, num_kv_blocks=256, max_model_len=1024)
+    )
+    try:
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        for i, ids in enumerate(PROMPTS):
+            core.add_request(EngineCoreRequest(str(i), ids, params, 0.0, 0))
+        out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+        while core.has_unfinished_requests():
+            for o in core.step()[0]:
+                out[o.request_id] += o.new_token_ids
+        return [out[str(i)] for i in range(len(PROMPTS))]
+    finally:
+        core.shutdown()
+
+
+def check_tensor_parallel() -> bool:
+    """True when every TP check passed or there are fewer than 2 GPUs (skipped)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        print(f"tensor parallel: skipped, {n} CUDA GPU(s) visible (needs 2)")
+        return True
+    print("tensor parallel")
+    ok = allreduce_bandwidth()
+    one, two = greedy_tokens(1), greedy_tokens(2)
+    same = one == two
+    print(f"  {'ok  ' if same else 'FAIL'} TP=2 greedy tokens (fp32, bundled model, {len(PROMPTS)} prompts x 32) "
+          "equal TP=1")  # fmt: skip
+    if not same:
+        print(f"    TP=1 {one}\n    TP=2 {two}")
+    return ok and same
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--allreduce-rank":
+        _allreduce_rank(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.exit(0 if check_tensor_parallel() else 1)
