@@ -29,6 +29,8 @@ class LLM:
         seed: int = 0,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -43,6 +45,8 @@ class LLM:
                 kv_cache_memory=kv_cache_memory,
                 enable_prefix_caching=enable_prefix_caching,
                 seed=seed,
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
             )
         )
 
