@@ -122,11 +122,6 @@ def test_tool_choice_required_returns_valid_calls_plain_and_streamed(client):
     jsonschema.validate(json.loads(calls[0]["arguments"]), schemas[calls[0]["name"]])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails: at max_tokens=60 the forced arguments were cut mid-string (finish_reason length); "
-    "at 200 it still fails (cause not yet read); the required-choice test passes",
-)
 def test_named_function_is_forced_and_a_tool_result_turn_follows(client):
     named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(

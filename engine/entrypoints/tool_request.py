@@ -102,7 +102,7 @@ def forcing_constraint(plan: ToolPlan) -> StructuredOutputsParams | None:
     """The JSON schema that makes the output a valid call (required / named), else None."""
     fns = {t["function"]["name"]: t["function"] for t in plan.tools}
     if plan.choice == "named":
-        return StructuredOutputsParams(json=_parameters(fns[plan.named]), strict=False)
+        return StructuredOutputsParams(json=_parameters(fns[plan.named]))
     if plan.choice != "required":
         return None
     call = [
@@ -121,7 +121,7 @@ def forcing_constraint(plan: ToolPlan) -> StructuredOutputsParams | None:
     }
     if not plan.parallel:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema, strict=False)
+    return StructuredOutputsParams(json=schema)
 
 
 # ---- the prompt ----------------------------------------------------------------------------------
