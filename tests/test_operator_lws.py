@@ -4,7 +4,6 @@ plan, and reconcile running it (against the dict-backed fake; the real LWS contr
 The expected numbers are worked out by hand in the comments from the documented model (docs/operator.md,
 "Sizing" and "Multi-node"), not read back from the code."""
 
-import pytest
 from tokenmill.operator import lws
 from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES
 from tokenmill.operator.metrics import PodReading
@@ -139,9 +138,6 @@ def test_engine_accepts_the_group_arguments():
     from tokenmill.engine.entrypoints.serve_cli import build_parser
 
     parser = build_parser()
-    known = {a for action in parser._actions for a in action.option_strings}
-    if not {"--pipeline-parallel-size", "--headless"} <= known:
-        pytest.skip("the engine's server has no --pipeline-parallel-size/--headless yet (the tensor-parallel work)")
     spec = parse_inference_service(_isvc(BIG_SPEC))
     t = lws.desired_leaderworkerset(spec, plan(MODEL_PROFILES[BIG], GPU_TYPES["nvidia-h100-80gb"]), 1, "i")
     leader = parser.parse_args(_engine(t["spec"]["leaderWorkerTemplate"]["leaderTemplate"])["args"])
