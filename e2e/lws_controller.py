@@ -92,12 +92,8 @@ def webhook_configurations(manifest: str, port: int, ca_pem: bytes) -> list[dict
     return out
 
 
-def start(cluster: Cluster, timeout: float = 120.0) -> int:
-    """Start (or find running) the controller for `cluster`; returns its PID."""
-    state = json.loads(_state_path(cluster.workdir).read_text())
-    running = state["processes"].get(NAME)
-    if running and _is_ours(running["pid"], running["exe"]):
-        return running["pid"]
+def install_crd(cluster: Cluster) -> Path:
+    """Install the LeaderWorkerSet CRD (idempotent) and wait until it is served; returns the cache folder."""
     cache = build()
     crd = cache / "crd" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
     # Server-side: the CRD (full pod templates) is larger than client-side apply's annotation limit.
@@ -110,6 +106,16 @@ def start(cluster: Cluster, timeout: float = 120.0) -> int:
         if time.monotonic() > deadline:
             raise ClusterError("the LeaderWorkerSet CRD was not Established after 60s")
         time.sleep(0.5)
+    return cache
+
+
+def start(cluster: Cluster, timeout: float = 120.0) -> int:
+    """Start (or find running) the controller for `cluster`; returns its PID."""
+    state = json.loads(_state_path(cluster.workdir).read_text())
+    running = state["processes"].get(NAME)
+    if running and _is_ours(running["pid"], running["exe"]):
+        return running["pid"]
+    cache = install_crd(cluster)
 
     home = cluster.workdir / "lws"
     _issue_serving_cert(cluster.workdir / "pki", home / "certs")

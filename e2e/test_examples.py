@@ -87,7 +87,7 @@ def test_bundled_model_on_one_gpu(cluster: Cluster, operator: OperatorProcess, n
     assert int(args["--kv-cache-memory"]) == sizing["kvCacheBytes"]
     assert int(args["--block-size"]) == sizing["blockSize"]
     assert args["--dtype"] == "bfloat16"
-    assert "--model" not in args  # bundled: the engine's default model
+    assert args["--model"] == "bundled://smollm2-135m-instruct"  # spec.model.uri, as written
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     owner = deploy["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"], owner["uid"]) == ("InferenceService", name, obj["metadata"]["uid"])
