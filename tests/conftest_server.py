@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -129,3 +130,14 @@ def wait_idle(server: ServerProcess, timeout_s: float = 30.0, headers: dict | No
             return
         time.sleep(0.1)
     raise AssertionError(f"(running, kv usage) = {state}, not (0, 0), after {timeout_s}s")
+
+
+def serving(*args: str, log_dir: pathlib.Path) -> Iterator[ServerProcess]:
+    """A module fixture's body: start, wait for /health, yield, stop; a clean shutdown must exit 0."""
+    s = ServerProcess(*args, log_dir=log_dir)
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0, s.log()

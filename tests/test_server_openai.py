@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest_server import ServerProcess, wait_idle
+from conftest_server import serving, wait_idle
 from tokenmill.engine import metric_names
 
 API_KEY = "test-key-123"
@@ -29,16 +29,10 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(
+    yield from serving(
         "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256",
         "--max-num-seqs", "64", "--dtype", "float32", log_dir=tmp_path_factory.mktemp("serve"),
     )  # fmt: skip
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
-    assert s.proc.returncode == 0, s.log()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from typing import Annotated
 import jsonschema
 import openai
 import pytest
-from conftest_server import ServerProcess, wait_idle
+from conftest_server import serving, wait_idle
 from pydantic import BaseModel, Field
 
 pytest.importorskip("tokenmill.engine.structured_output")
@@ -65,14 +65,8 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess("--max-model-len", "1024", "--num-kv-blocks", "256", "--dtype", "float32",
-                      log_dir=tmp_path_factory.mktemp("serve"))  # fmt: skip
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
-    assert s.proc.returncode == 0, s.log()
+    yield from serving("--max-model-len", "1024", "--num-kv-blocks", "256", "--dtype", "float32",
+                       log_dir=tmp_path_factory.mktemp("serve"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
