@@ -66,6 +66,10 @@ TORCH_EXTENSIONS_DIR = _torch_extensions_dir()
 BACKOFF_START_S, BACKOFF_MAX_S = 10.0, 300.0  # the kubelet's crash-loop back-off
 TICK_S = 0.25
 NOT_REWRITTEN = ("/dev/shm",)  # the machine's shared memory is the pod's
+# A pod's DNS name under its headless Service (what LWS_LEADER_ADDRESS holds): HOST.SUBDOMAIN.NAMESPACE...
+_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+POD_DNS_NAME = re.compile(rf"(?P<host>{_LABEL})\.(?P<subdomain>{_LABEL})\.(?P<namespace>{_LABEL})"
+                          r"(?:\.svc(?:\.cluster\.local)?)?\.?")
 
 DEVIATIONS = (
     "device: no GPU; the nvidia.com/gpu limit is not backed by a device and the engine's --device auto "
@@ -82,6 +86,10 @@ DEVIATIONS = (
     "readOnly mounts",
     "deletion: kwok removes a deleted pod at once; the runner then sends SIGTERM and SIGKILLs after "
     "terminationGracePeriodSeconds",
+    "DNS: there is no cluster DNS; an env value that is a pod's DNS name (HOST.SUBDOMAIN.NAMESPACE[.svc"
+    "[.cluster.local]], e.g. LWS_LEADER_ADDRESS) becomes that pod's IP, and the container waits until it has one",
+    "ports: a process that binds 0.0.0.0 itself (not through --host; e.g. the multi-node leader's rendezvous "
+    "port 29500) binds it on the machine: pods share that port space",
 )
 
 
@@ -153,6 +161,40 @@ def quantity(text: str) -> float:
     return float(parse_quantity(text))
 
 
+@dataclass
+class PodContainer:
+    """One container as the pod spec has it, resolved the way the kubelet resolves it (container_spec)."""
+
+    name: str
+    image: str
+    argv: list[str]  # command + args, $(VAR) expanded
+    env: dict[str, str]  # envFrom + env, Secrets/ConfigMaps/fields/resources resolved
+    mounts: dict[str, Path]  # mountPath -> the host folder of its volume (subPath applied)
+    working_dir: str | None
+    pod_ip: str
+    hostname: str
+
+
+def local_process(pc: PodContainer, dns: dict[str, str], pod_dir: Path) -> tuple[list[str], dict[str, str], Path]:
+    """(argv, env, cwd) of `pc` as a process on this machine: DEVIATIONS applied, nothing else changed.
+    `dns` maps the env values that are pod DNS names to those pods' IPs."""
+    env = {k: rewrite_path(dns.get(v, v), pc.mounts) for k, v in pc.env.items()}
+    if "/tmp" in pc.mounts:
+        env.setdefault("TMPDIR", str(pc.mounts["/tmp"]))
+    base = {"PATH": BASE_PATH, "HOSTNAME": pc.hostname, "OMP_NUM_THREADS": "1",
+            "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS_DIR)}
+    env = {**base, **env}
+    first = pc.argv[0]
+    exe = shutil.which(first, path=env["PATH"]) if "/" not in first else rewrite_path(first, pc.mounts)
+    if exe is None:
+        raise ConfigError(f'executable "{first}" not found in $PATH ({env["PATH"]})')
+    argv = apply_deviations([exe, *[rewrite_path(a, pc.mounts) for a in pc.argv[1:]]], pc.pod_ip)
+    # Never the repo root: it holds a package named `operator` that shadows the stdlib one.
+    cwd = Path(rewrite_path(pc.working_dir, pc.mounts)) if pc.working_dir else pod_dir
+    cwd.mkdir(parents=True, exist_ok=True)
+    return argv, env, cwd
+
+
 # ---------------------------------------------------------------- the API side
 
 
@@ -183,6 +225,16 @@ class Api:
         if kind == "Secret":
             return {k: base64.b64decode(v).decode(errors="replace") for k, v in (obj.get("data") or {}).items()}
         return dict(obj.get("data") or {})
+
+    def pod_ip(self, namespace: str, hostname: str, subdomain: str) -> str | None:
+        """The IP of the pod with this spec.hostname and spec.subdomain (its DNS name), if it has one."""
+        rsp = self.core.list_namespaced_pod(namespace, _preload_content=False, _request_timeout=10)
+        for p in json.loads(rsp.data)["items"]:
+            spec = p["spec"]
+            if (spec.get("hostname"), spec.get("subdomain")) == (hostname, subdomain) and \
+                    not p["metadata"].get("deletionTimestamp"):
+                return (p.get("status") or {}).get("podIP")
+        return None
 
     def patch_status(self, namespace: str, name: str, status: dict) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -215,6 +267,7 @@ class ContainerRun:
     spec: dict
     init: bool
     log: Path
+    container: PodContainer | None = None  # the pod spec's view of it, resolved (container_spec)
     argv: list[str] = field(default_factory=list)  # what was executed last (after the deviations)
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
@@ -354,9 +407,12 @@ class PodWorker(threading.Thread):
             raise ConfigError(f"couldn't find key {ref['key']} in {kind} {self.namespace}/{ref['name']}")
         return data[ref["key"]]
 
-    def resolve(self, run: ContainerRun) -> None:
-        """Environment, argv and working directory, as the kubelet would build them."""
-        c = run.spec
+    def container_spec(self, c: dict) -> PodContainer:
+        """What the kubelet hands a container runtime for container `c`: its command and args ($(VAR)
+        expanded), its environment (envFrom, env, Secrets, ConfigMaps, fields, resources), the host
+        folder of each mountPath, its working directory and the pod's IP and hostname, all as the pod spec
+        says (no path rewritten, nothing of DEVIATIONS applied). The one place a pod is read for running:
+        local_process() turns it into this runner's process; another runtime can take it as it is."""
         mounts = self._mounts(c)
         env: dict[str, str] = {}
         for source in c.get("envFrom") or []:
@@ -386,19 +442,29 @@ class PodWorker(threading.Thread):
         argv = [expand(a, env) for a in [*(c.get("command") or []), *(c.get("args") or [])]]
         if not argv:
             raise ConfigError(f"container {c['name']} has no command (an image's entrypoint cannot be run here)")
-        env = {k: rewrite_path(v, mounts) for k, v in env.items()}
-        if "/tmp" in mounts:
-            env.setdefault("TMPDIR", str(mounts["/tmp"]))
-        base = {"PATH": BASE_PATH, "HOSTNAME": self.name, "OMP_NUM_THREADS": "1",
-                "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS_DIR)}
-        run.env = {**base, **env}
-        exe = shutil.which(argv[0], path=run.env["PATH"]) if "/" not in argv[0] else rewrite_path(argv[0], mounts)
-        if exe is None:
-            raise ConfigError(f'executable "{argv[0]}" not found in $PATH ({run.env["PATH"]})')
-        run.argv = apply_deviations([exe, *[rewrite_path(a, mounts) for a in argv[1:]]], self.pod_ip)
-        # Never the repo root: it holds a package named `operator` that shadows the stdlib one.
-        run.cwd = Path(rewrite_path(c["workingDir"], mounts)) if c.get("workingDir") else self.dir
-        run.cwd.mkdir(parents=True, exist_ok=True)
+        return PodContainer(name=c["name"], image=c.get("image", ""), argv=argv, env=env, mounts=mounts,
+                            working_dir=c.get("workingDir"), pod_ip=self.pod_ip,
+                            hostname=self.pod["spec"].get("hostname") or self.name)
+
+    def resolve(self, run: ContainerRun) -> None:
+        """The container as this runner's local process: container_spec() with DEVIATIONS applied."""
+        run.container = self.container_spec(run.spec)
+        run.argv, run.env, run.cwd = local_process(run.container, self._dns_names(run.container.env), self.dir)
+
+    def _dns_names(self, env: dict[str, str]) -> dict[str, str]:
+        """Env values that are a pod's DNS name (HOSTNAME.SUBDOMAIN.NAMESPACE[.svc[.cluster.local]]) -> that
+        pod's IP: there is no cluster DNS. A name whose pod has no IP yet is retried, like any wait."""
+        out = {}
+        for value in env.values():
+            m = POD_DNS_NAME.fullmatch(value)
+            if m is None or m["namespace"] != self.namespace:
+                continue
+            ip = self.api.pod_ip(self.namespace, m["host"], m["subdomain"])
+            if ip is None:
+                raise ConfigError(f"{value} does not resolve yet (no pod with hostname {m['host']} and "
+                                  f"subdomain {m['subdomain']} has an IP)")
+            out[value] = ip
+        return out
 
     # ---- processes
 

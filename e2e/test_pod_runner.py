@@ -73,11 +73,14 @@ def test_deviations_touch_only_the_bind_address_and_the_kv_pool() -> None:
 class _FakeApi:
     """Stands in for the API server in the unit test only (the e2e tests below use the real one)."""
 
-    def __init__(self, objects: dict[tuple[str, str], dict[str, str]]):
-        self.objects = objects
+    def __init__(self, objects: dict[tuple[str, str], dict[str, str]], pods: dict[tuple[str, str], str] | None = None):
+        self.objects, self.pods = objects, pods or {}
 
     def data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
         return self.objects.get((kind, name))
+
+    def pod_ip(self, namespace: str, hostname: str, subdomain: str) -> str | None:
+        return self.pods.get((hostname, subdomain))
 
 
 def _pod(container: dict) -> dict:
@@ -116,6 +119,34 @@ def test_environment_is_resolved_like_the_kubelet(tmp_path: Path) -> None:
     w2._start(w2.containers[0])
     assert w2.containers[0].state == {"waiting": {"reason": "CreateContainerConfigError",
                                                   "message": 'secret "absent" not found'}}
+
+
+def test_container_spec_is_the_pod_spec_and_only_the_local_process_deviates(tmp_path: Path) -> None:
+    c = {"name": "engine", "command": ["tokenmill", "serve"], "args": ["--host", "0.0.0.0", "--dir", "/cache/x"],
+         "env": [{"name": "HOME", "value": "/cache"}, {"name": "LWS_LEADER_ADDRESS", "value": "big-lws-0.big-lws.ns"},
+                 {"name": "NOT_A_POD", "value": "a.b.other-namespace"}, {"name": "VERSION", "value": "1.2"}],
+         "volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}
+    pod = _pod(c)
+    api = _FakeApi({}, pods={("big-lws-0", "big-lws"): "127.244.0.3"})
+    w = PodWorker(api, pod, tmp_path / "pod", tmp_path / "claims")  # type: ignore[arg-type]
+    w._prepare_volumes()
+    pc = w.container_spec(c)
+    # What another runtime gets: the spec's own argv, env and mount paths, nothing rewritten.
+    assert pc.argv == ["tokenmill", "serve", "--host", "0.0.0.0", "--dir", "/cache/x"]
+    assert pc.env["HOME"] == "/cache" and pc.env["LWS_LEADER_ADDRESS"] == "big-lws-0.big-lws.ns"
+    assert pc.mounts == {"/cache": tmp_path / "pod" / "volumes" / "cache"} and pc.pod_ip == "127.244.0.9"
+    run = w.containers[0]
+    w.resolve(run)
+    assert run.argv[1:] == ["serve", "--host", "127.244.0.9", "--dir", f"{tmp_path}/pod/volumes/cache/x"]
+    assert run.env["LWS_LEADER_ADDRESS"] == "127.244.0.3"  # what the cluster DNS would answer
+    assert run.env["NOT_A_POD"] == "a.b.other-namespace" and run.env["VERSION"] == "1.2"
+
+    # A leader without an IP yet: the container waits (CreateContainerConfigError, retried), as for a Secret.
+    w2 = PodWorker(_FakeApi({}), _pod(c), tmp_path / "pod2", tmp_path / "claims")  # type: ignore[arg-type]
+    w2._prepare_volumes()
+    w2._start(w2.containers[0])
+    state = w2.containers[0].state["waiting"]
+    assert state["reason"] == "CreateContainerConfigError" and "big-lws-0.big-lws.ns does not resolve" in state["message"]
 
 
 def test_pods_sharing_a_claim_share_its_folder(tmp_path: Path) -> None:
