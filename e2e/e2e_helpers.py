@@ -3,13 +3,14 @@ operator as a local process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -154,6 +155,22 @@ class OperatorProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def replaced_operator(cluster: Cluster, operator: OperatorProcess, chart_release: str, extra_args: list[str],
+                      log: Path) -> Iterator[OperatorProcess]:
+    """The session's operator stopped and one with the chart's arguments plus `extra_args` in its place
+    (two operators would both reconcile every object); the session's one is started again afterwards."""
+    operator.stop()
+    kubeconfig = Path(next(a for a in operator.argv if a.startswith("--kubeconfig=")).split("=", 1)[1])
+    args = [*chart_operator_args(cluster, OPERATOR_NAMESPACE, chart_release), *extra_args]
+    mine = OperatorProcess(args, kubeconfig, log).start()
+    try:
+        yield mine
+    finally:
+        mine.stop()
+        operator.start()
 
 
 def dump_debug(cluster: Cluster, namespace: str) -> None:

@@ -8,18 +8,16 @@ reconcile the objects); it is started again afterwards."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from cluster import Cluster
 from e2e_helpers import (
     ISVC,
-    OPERATOR_NAMESPACE,
     OperatorProcess,
     apply,
-    chart_operator_args,
     condition,
     get,
+    replaced_operator,
     wait_for,
 )
 from hub_standin import HubStandin
@@ -42,15 +40,9 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub_operator(cluster: Cluster, operator: OperatorProcess, chart_release: str, hub, tmp_path_factory):
-    operator.stop()
-    kubeconfig = Path(next(a for a in operator.argv if a.startswith("--kubeconfig=")).split("=", 1)[1])
-    args = [*chart_operator_args(cluster, OPERATOR_NAMESPACE, chart_release), f"--hf-endpoint={hub.url}"]
-    mine = OperatorProcess(args, kubeconfig, tmp_path_factory.mktemp("op") / "operator.log").start()
-    try:
+    log = tmp_path_factory.mktemp("op") / "operator.log"
+    with replaced_operator(cluster, operator, chart_release, [f"--hf-endpoint={hub.url}"], log) as mine:
         yield mine
-    finally:
-        mine.stop()
-        operator.start()
 
 
 def service(name: str, uri: str) -> dict:

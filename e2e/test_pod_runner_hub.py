@@ -1,0 +1,171 @@
+"""hf:// InferenceServices whose pods run their real command: the engine in the pod downloads from the Hub
+stand-in (tests/hub_standin.py, the one stand-in, through the HF_ENDPOINT the operator writes), becomes
+ready, and answers at its pod IP; replicas and restarts on the shared cache volume do not download again.
+
+The stand-in serves two repos:
+- `HuggingFaceTB/SmolLM2-135M-Instruct`: the bundled GGUF's conversion to a Hugging Face folder (the same
+  model the real repo holds, dequantized from Q4_1), so examples/hub-model-cached.yaml runs as written;
+- `acme/tiny-gated`: a tiny random Llama (tests/tiny_models.py), gated, granted to one token.
+The session's operator is replaced for this module by one with --hf-endpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import REPO, Cluster
+from e2e_helpers import ISVC, OperatorProcess, apply, condition, get, replaced_operator, wait_for
+from hub_standin import HubStandin
+from pod_runner import PodRunner
+from test_examples import example
+from test_pod_runner import (
+    ENGINE_START_S,
+    assert_runs_deployment_argv,
+    completion,
+    runner_pods,
+    wait_ready_sampling_kstatus,
+    with_runner,
+)
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GATED = "acme/tiny-gated"
+TOKEN = "hf_e2e_granted"
+WEIGHTS = "model.safetensors"
+# tests/tiny_models.py's llama, in spec.model.profile's words.
+TINY_PROFILE = {"layers": 2, "hiddenSize": 64, "numAttentionHeads": 4, "numKeyValueHeads": 2, "intermediateSize": 128,
+                "vocabSize": 49152, "maxPositionEmbeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Iterator[HubStandin]:
+    from tokenmill.engine.model_loader import resolve_model
+
+    tiny_models = load_tests_module("tiny_models")  # needs the engine (torch): loaded only when this runs
+
+    with HubStandin() as hub:
+        hub.smollm2_sha = hub.add_repo(SMOLLM2, resolve_model(None))
+        tiny = tiny_models.make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+        hub.gated_sha = hub.add_repo(GATED, tiny, tags=("v1",), gated=True, tokens=(TOKEN,))
+        yield hub
+
+
+@pytest.fixture(scope="module")
+def hub_operator(cluster: Cluster, operator: OperatorProcess, chart_release: str, hub: HubStandin,
+                 tmp_path_factory) -> Iterator[OperatorProcess]:
+    log = tmp_path_factory.mktemp("op") / "operator.log"
+    with replaced_operator(cluster, operator, chart_release, [f"--hf-endpoint={hub.url}"], log) as mine:
+        yield mine
+
+
+def load_tests_module(name: str):
+    """A helper module of tests/ by file path (tests/ is not on sys.path in an e2e session)."""
+    path = REPO / "tests" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tokenmill_tests_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def engine_pid(runner: PodRunner, pod: dict) -> int:
+    worker = runner.worker(pod["metadata"]["namespace"], pod["metadata"]["name"])
+    assert worker is not None, f"the runner runs nothing for {pod['metadata']['name']}"
+    pid = worker.containers[0].pid
+    assert pid is not None, worker.containers[0].state
+    return pid
+
+
+def file_gets(hub: HubStandin, repo: str) -> list[str]:
+    """Every answered GET of a file's content (not HEADs, not API calls)."""
+    return [r.filename for r in hub.requests(repo, "GET") if r.filename and r.status in (200, 206)]
+
+
+def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
+        cluster: Cluster, hub_operator: OperatorProcess, pod_runner: PodRunner, hub: HubStandin,
+        namespace: str) -> None:
+    isvc = with_runner(next(d for d in example("hub-model-cached.yaml", namespace) if d["kind"] == "InferenceService"))
+    name = isvc["metadata"]["name"]
+    claim = f"{name}-model-cache"
+    # No storage provisioner here: a volume pre-bound to the claim the operator will create. The runner
+    # gives every claim one folder, which both pods then share.
+    pv = f"{namespace}-model-cache"
+    apply(cluster, {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                    "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"],
+                             "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                             "hostPath": {"path": f"/tmp/{pv}"}, "claimRef": {"namespace": namespace, "name": claim}}})
+    try:
+        hub.reset_log()
+        apply(cluster, isvc)
+        obj, seen = wait_ready_sampling_kstatus(cluster, namespace, name)
+        assert obj["status"]["readyReplicas"] == 2, obj["status"]
+        assert obj["status"]["sizing"]["hub"]["commit"] == hub.smollm2_sha, obj["status"]["sizing"]
+        assert any(s == "InProgress" for _, _, s in seen) and seen[-1][2] == "Current", seen
+        assert get(cluster, "pvc", claim, namespace)["status"]["phase"] == "Bound"
+
+        pods = runner_pods(cluster, namespace, name)
+        assert len(pods) == 2
+        homes = set()
+        for pod in pods:
+            assert_runs_deployment_argv(cluster, pod_runner, namespace, name, pod)
+            env = environ(engine_pid(pod_runner, pod))
+            assert env["HF_ENDPOINT"] == hub.url  # what the operator wrote, unchanged
+            homes.add(env["HF_HOME"])
+            rsp = completion(pod)
+            assert rsp.status_code == 200, rsp.text
+            assert rsp.json()["choices"][0]["text"], rsp.json()
+        assert len(homes) == 1, homes  # one cache folder: the claim's
+        assert Path(homes.pop()).is_relative_to(pod_runner.root / "claims" / namespace / claim)
+        # Two pods started together on one cache: the weights came over the wire once (the client's file
+        # lock made the second wait for the first), and every file the engine loads at most once.
+        gets = file_gets(hub, SMOLLM2)
+        assert gets.count(WEIGHTS) == 1, gets
+        assert len(gets) == len(set(gets)), gets
+
+        # A restart (pod deleted, the ReplicaSet makes a new one) reads the cache: no file fetched at all.
+        hub.reset_log()
+        old = pods[0]
+        cluster.kubectl("delete", "pod", old["metadata"]["name"], "-n", namespace, "--wait=false")
+        wait_for(lambda: (o := get(cluster, ISVC, name, namespace)) and o["status"].get("readyReplicas") == 2
+                 and all(p["metadata"]["uid"] != old["metadata"]["uid"] for p in runner_pods(cluster, namespace, name))
+                 and len(runner_pods(cluster, namespace, name)) == 2 and o,
+                 "the replacement pod Ready", timeout=ENGINE_START_S)
+        new = next(p for p in runner_pods(cluster, namespace, name)
+                   if p["metadata"]["name"] not in {q["metadata"]["name"] for q in pods})
+        assert completion(new).status_code == 200
+        assert file_gets(hub, SMOLLM2) == [], hub.requests(SMOLLM2)
+        assert pod_runner.all_errors() == []
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s", check=False)
+        cluster.kubectl("delete", "pv", pv, "--ignore-not-found")
+
+
+def test_gated_hub_model_downloads_with_the_token_secret_and_answers(
+        cluster: Cluster, hub_operator: OperatorProcess, pod_runner: PodRunner, hub: HubStandin,
+        namespace: str) -> None:
+    cluster.kubectl("create", "secret", "generic", "hf-token", f"--from-literal=HF_TOKEN={TOKEN}", "-n", namespace)
+    hub.reset_log()
+    apply(cluster, with_runner({
+        "apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "tiny"},
+        # The chart's default RBAC lets the operator read no Secret, so it cannot fetch a gated config.json
+        # (it says so: GatedModel, naming rbac.readSecrets); the profile gives the numbers instead.
+        "spec": {"model": {"uri": f"hf://{GATED}@v1", "tokenSecretRef": {"name": "hf-token"}, "profile": TINY_PROFILE},
+                 "resources": {"gpu": {"type": "nvidia-l4", "count": 1}}, "replicas": 1}}), namespace)
+    obj, _ = wait_ready_sampling_kstatus(cluster, namespace, "tiny")
+    assert obj["status"]["sizing"]["profileSource"] == "spec", obj["status"]["sizing"]
+    assert (condition(obj, "Stalled") or {}).get("status") != "True", obj["status"]["conditions"]
+    [pod] = runner_pods(cluster, namespace, "tiny")
+    assert_runs_deployment_argv(cluster, pod_runner, namespace, "tiny", pod)
+    assert environ(engine_pid(pod_runner, pod))["HF_TOKEN"] == TOKEN  # from the Secret, as the kubelet does
+    rsp = completion(pod)
+    assert rsp.status_code == 200, rsp.text
+    assert rsp.json()["usage"]["completion_tokens"] >= 1
+    weights = [r for r in hub.requests(GATED, "GET") if r.filename == WEIGHTS and r.status == 200]
+    assert len(weights) == 1 and weights[0].authorization, hub.requests(GATED)
+    assert pod_runner.all_errors() == []
