@@ -754,3 +754,5 @@ class PodRunner(threading.Thread):
             w.stop(grace)
         for w in workers:
             w.join(timeout=grace + 15)
+        # Claims outlive pods, not the session: a cached model is hundreds of MB. Pod logs stay.
+        shutil.rmtree(self.root / "claims", ignore_errors=True)

@@ -19,6 +19,8 @@ from e2e_helpers import (
     wait_for,
 )
 from lws_controller import start as start_lws
+from pod_runner import RUNNER_LABEL, PodRunner
+from test_pod_runner import assert_runs_container_argv, completion, wait_ready_sampling_kstatus
 
 # Llama-3.1-405B in bfloat16 is 812 GB of weights; one node of 8 x H100 (80 GB) cannot hold it.
 SERVICE = {
@@ -96,3 +98,51 @@ def test_multi_node_service_runs_as_lws_groups_across_gpu_nodes(
              "the leader pod to be recreated with its group", timeout=90)
     wait_for(lambda: (o := get(cluster, ISVC, "big", namespace)) and ready_for_current_generation(o)
              and o["status"].get("readyReplicas") == 1 and o, "Ready again after the group restart", timeout=120)
+
+
+# The bundled model, declared (spec.model.profile.parameters) as a 50B-parameter model: 100 GB of bfloat16
+# weights need two H100s, and its 9 attention heads allow no tensor split, so the plan is PP 2 over two
+# pods (nodes). Sizing believes the declared count; the engines load the real 135M weights, split in two
+# pipeline stages: the operator's multi-node hand-over, executed on a CPU.
+PIPELINED = {
+    "apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService",
+    "metadata": {"name": "piped"},
+    "spec": {"model": {"uri": "bundled://smollm2-135m-instruct", "profile": {"parameters": 50_000_000_000}},
+             "resources": {"gpu": {"type": "nvidia-h100-80gb"}}, "replicas": 1,
+             "template": {"labels": {RUNNER_LABEL: "true"}}},
+}
+
+
+def test_multi_node_group_runs_leader_and_headless_worker_and_answers(
+        cluster: Cluster, operator: OperatorProcess, lws_controller: int, pod_runner: PodRunner,
+        namespace: str) -> None:
+    apply(cluster, PIPELINED, namespace)
+    obj, seen = wait_ready_sampling_kstatus(cluster, namespace, "piped")
+    sizing = obj["status"]["sizing"]
+    assert (sizing["nodesPerReplica"], sizing["tensorParallelSize"], sizing["pipelineParallelSize"]) == (2, 1, 2)
+    assert seen[-1][2] == "Current", seen
+
+    template = get(cluster, "leaderworkersets.leaderworkerset.x-k8s.io", "piped-lws", namespace)["spec"][
+        "leaderWorkerTemplate"]
+    pods = items(cluster, "pods", namespace, "serving.tokenmill.dev/inferenceservice=piped")
+    by_role = {p["metadata"]["labels"]["serving.tokenmill.dev/role"]: p for p in pods}
+    leader, worker = by_role["leader"], by_role["worker"]
+    for pod, key in ((leader, "leaderTemplate"), (worker, "workerTemplate")):
+        engine = next(c for c in template[key]["spec"]["containers"] if c["name"] == "engine")
+        assert_runs_container_argv(engine, pod_runner, pod)
+    run = pod_runner.worker(namespace, worker["metadata"]["name"]).containers[0]
+    assert "--headless" in run.argv and "--pipeline-parallel-size" in run.argv
+    # The launch environment the LWS webhook wrote, as the worker's engine got it: the leader's DNS name
+    # became the leader pod's IP (no cluster DNS here), the rest as written.
+    spec_env = _env(worker)
+    assert spec_env["LWS_LEADER_ADDRESS"].startswith(f"piped-lws-0.piped-lws.{namespace}")
+    assert run.env["LWS_LEADER_ADDRESS"] == leader["status"]["podIP"]
+    assert (run.env["LWS_GROUP_SIZE"], run.env["LWS_WORKER_INDEX"]) == ("2", "1")
+
+    rsp = completion(leader)
+    assert rsp.status_code == 200, rsp.text
+    assert rsp.json()["usage"]["completion_tokens"] >= 1, rsp.json()
+    # The worker's rank really ran: its log shows it joined and sized its stage's pool.
+    log = run.log.read_text()
+    assert "rank 1 (tp 0, pp 1) ready" in log, log[-3000:]
+    assert pod_runner.all_errors() == []

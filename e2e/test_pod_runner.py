@@ -213,10 +213,15 @@ def completion(pod: dict, headers: dict | None = None) -> httpx.Response:
 
 def assert_runs_deployment_argv(cluster: Cluster, runner: PodRunner, namespace: str, name: str,
                                 pod: dict) -> None:
-    """The process behind the pod is the Deployment's own command + args, except the two documented
-    deviations (bind address, KV pool cap), each checked on its own."""
+    """The process behind the pod is the Deployment's own command + args (see assert_runs_container_argv)."""
     c = get(cluster, "deployment", name, namespace)["spec"]["template"]["spec"]["containers"][0]
-    worker = runner.worker(namespace, pod["metadata"]["name"])
+    assert_runs_container_argv(c, runner, pod)
+
+
+def assert_runs_container_argv(c: dict, runner: PodRunner, pod: dict) -> None:
+    """The process behind the pod is the template container `c`'s own command + args, except the two
+    documented deviations (bind address, KV pool cap), each checked on its own."""
+    worker = runner.worker(pod["metadata"]["namespace"], pod["metadata"]["name"])
     assert worker is not None, f"the runner runs no process for pod {pod['metadata']['name']}"
     run = next(r for r in worker.containers if r.name == c["name"])
     assert run.pid is not None, run.state
@@ -258,4 +263,41 @@ def test_bundled_example_runs_the_deployment_argv_and_answers(
     assert rsp.status_code == 200, rsp.text
     body = rsp.json()
     assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1, body
+    assert pod_runner.all_errors() == []
+
+
+def test_other_runnable_examples_reach_ready_on_real_probes(
+        cluster: Cluster, operator: OperatorProcess, pod_runner: PodRunner, namespaces) -> None:
+    """autoscaled.yaml and quota-limited-namespace.yaml with real engines (both at once: 3 engines).
+    bundled-one-gpu.yaml is the test above, hub-model-cached.yaml is in test_pod_runner_hub.py, and
+    infeasible-model.yaml has no pod to run (test_examples.py: Stalled before any pod)."""
+    where = {}
+    for file, tag in (("autoscaled.yaml", "auto"), ("quota-limited-namespace.yaml", "quota")):
+        ns = namespaces(tag)
+        docs = [with_runner(d) if d["kind"] == "InferenceService" else d for d in example(file, ns)]
+        for d in docs:
+            apply(cluster, d, ns)
+        where[file] = (ns, next(d for d in docs if d["kind"] == "InferenceService")["metadata"]["name"])
+
+    status = {}
+    for file, (ns, name) in where.items():
+        obj, seen = wait_ready_sampling_kstatus(cluster, ns, name)
+        assert seen[-1][2] == "Current", (file, seen)
+        pods = runner_pods(cluster, ns, name)
+        assert len(pods) == obj["status"]["desiredReplicas"] == obj["status"]["readyReplicas"], (file, obj["status"])
+        for pod in pods:
+            assert_runs_deployment_argv(cluster, pod_runner, ns, name, pod)
+            run = pod_runner.worker(ns, pod["metadata"]["name"]).containers[0]
+            assert ("startup", False) in run.probe_log and ("readiness", True) in run.probe_log, (file, run.probe_log)
+            rsp = completion(pod)
+            assert rsp.status_code == 200, (file, rsp.text)
+        status[file] = obj
+
+    quota = status["quota-limited-namespace.yaml"]
+    assert quota["status"]["desiredReplicas"] == 2 and condition(quota, "QuotaLimited")["status"] == "True"
+    # With real engines behind the pods the autoscaler reads their metrics (with kwok's empty pods it
+    # holds with ScalingActive=False, test_examples.py).
+    ns, name = where["autoscaled.yaml"]
+    wait_for(lambda: (c := condition(get(cluster, ISVC, name, ns), "ScalingActive")) and c["status"] == "True" and c,
+             "ScalingActive=True from the engines' metrics", timeout=60)
     assert pod_runner.all_errors() == []
