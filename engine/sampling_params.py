@@ -62,6 +62,11 @@ class StructuredOutputsParams:
 
 
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+# A positive temperature below this is raised to it (vLLM does the same): dividing the logits by a much
+# smaller one overflows float32 to inf, softmax turns the row into NaN and the sampler returned token 0
+# whatever the model said (found while fuzzing a real server). At 0.01 a logit gap of 0.1 already
+# makes the top token e^10 times likelier, so the request still gets what it asked for.
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass(slots=True)
@@ -96,6 +101,8 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == -1:
             self.top_k = 0
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         self.verify()
 
     def verify(self) -> None:

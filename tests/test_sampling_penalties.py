@@ -104,3 +104,17 @@ def test_min_p_zero_keeps_every_token() -> None:
         reqs.append(r)
     tokens, _ = Sampler(VOCAB, torch.device("cpu"))(logits.expand(draws, VOCAB).clone(), reqs)
     assert tokens.count(3) > 0  # p = 0.05: about 200 of 4000
+
+
+def test_a_tiny_positive_temperature_samples_the_top_token() -> None:
+    # Found while fuzzing a real server: logits / 1e-300 overflowed to inf, softmax gave NaN, and token 0 came out.
+    temps = [1e-300, 1e-40, 1e-20, 1e-5]
+    row = torch.zeros(VOCAB)
+    row[TARGET] = 5.0  # far above the rest: any temperature this small must pick it
+    reqs = []
+    for i, t in enumerate(temps):
+        r = Request("t", i, [0], 1, SamplingParams(temperature=t, seed=i), arrival_time=0.0)
+        r.generator = torch.Generator().manual_seed(i)
+        reqs.append(r)
+    tokens, _ = Sampler(VOCAB, torch.device("cpu"))(row.expand(len(temps), VOCAB).clone(), reqs)
+    assert tokens == [TARGET] * len(temps)
