@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from tokenmill.engine.entrypoints.errors import OpenAIError
 from tokenmill.engine.entrypoints.structured_request import request_structured_outputs
-from tokenmill.engine.entrypoints.tool_parser import StreamedToolCalls, parse_forced, parse_hermes
+from tokenmill.engine.entrypoints.tool_parser import CallDelta, ToolCallStreamer, accumulate, parse_tool_calls
 from tokenmill.engine.entrypoints.tool_request import (
     forcing_constraint,
     history_as_text,
@@ -89,38 +89,104 @@ def test_required_grammar_accepts_only_valid_calls():
 
 def test_hermes_parsing_whole_output():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    content, calls = parse_hermes(text)
+    content, calls = parse_tool_calls(text, "auto")
     assert content == "Let me check." and calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     two = '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": "{}"}</tool_call>'
-    assert [c["name"] for c in parse_hermes(two)[1]] == ["a", "b"] and parse_hermes(two)[0] is None
-    # An unclosed block at EOS counts when its JSON is whole; broken JSON stays text.
-    assert parse_hermes('<tool_call>{"name": "a", "arguments": {"x": 1}}')[1][0]["arguments"] == '{"x": 1}'
-    broken = "<tool_call>{not json</tool_call>"
-    assert parse_hermes(broken) == (broken, [])
-    assert parse_hermes("Paris.") == ("Paris.", [])
-    assert parse_forced('[{"name": "a", "arguments": {"k": 2}}]', "required", None) == [
-        {"name": "a", "arguments": '{"k": 2}'}
+    assert parse_tool_calls(two, "auto") == (
+        None,
+        [{"name": "a", "arguments": "{}"}, {"name": "b", "arguments": "{}"}],
+    )
+    assert parse_tool_calls(two, "auto", parallel=False)[1] == [{"name": "a", "arguments": "{}"}]
+    # An unclosed block at EOS counts when its JSON is whole; broken JSON stays text; so does a cut block.
+    assert (
+        parse_tool_calls('<tool_call>{"name": "a", "arguments": {"x": 1}}', "auto")[1][0]["arguments"]
+        == '{"x": 1}'
+    )
+    for broken in ("<tool_call>{not json</tool_call>", 'x <tool_call>{"name": "a", "arguments": {"x'):
+        assert parse_tool_calls(broken, "auto") == (broken, [])
+    assert parse_tool_calls("Paris. ", "auto") == ("Paris. ", [])
+    # The model's own spacing is kept: arguments are the text it wrote, not re-serialized.
+    spaced = '<tool_call>{"name":"a","parameters":{ "k" :[1, 2] }}</tool_call>'
+    assert parse_tool_calls(spaced, "auto")[1] == [{"name": "a", "arguments": '{ "k" :[1, 2] }'}]
+    assert parse_tool_calls('<tool_call>{"name": "a"}</tool_call>', "auto")[1] == [
+        {"name": "a", "arguments": "{}"}
     ]
-    assert parse_forced('{"city": "Paris"}', "named", "get_weather")[0]["name"] == "get_weather"
-    assert parse_forced('[{"name": "a", "argu', "required", None) == []  # cut by max_tokens
+    assert parse_tool_calls('[{"name": "a", "arguments": {"k": 2}}]', "required") == (
+        None, [{"name": "a", "arguments": '{"k": 2}'}]
+    )  # fmt: skip
+    assert parse_tool_calls(' {"city": "Paris"} ', "named", "get_weather") == (
+        None, [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    )  # fmt: skip
+    cut = '[{"name": "a", "argu'
+    assert parse_tool_calls(cut, "required") == (cut, [])  # cut by max_tokens: the text stays the content
+
+
+def _streamed(text: str, step: int, *args) -> tuple[str, list[CallDelta]]:
+    streamer, content, deltas = ToolCallStreamer(*args), "", []
+    for at in range(0, len(text), step):
+        c, d = streamer.feed(text[at : at + step], at + step >= len(text))
+        content += c
+        deltas += d
+    return content, deltas
+
+
+AUTO_TEXT = (
+    'Sure <tool_c is not a tag. <tool_call>{"name": "a", "arguments": {"q": "x<y}", "n": [1, {"m": 2}]}}</tool_call>'
+    '\n<tool_call>{"name": "b", "arguments": {}}</tool_call> done'
+)
+REQUIRED_TEXT = '[{"name": "a", "arguments": {"q": "]}\\"", "n": [1]}}, {"name": "b", "arguments": {}}]'
+NAMED_TEXT = '{"zone": "Europe/Paris", "at": {"h": [12, 30]}}'
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
-def test_hermes_streaming_equals_whole_parse_for_any_split(step):
-    text = (
-        'Sure <tool_c is not a tag. <tool_call>{"name": "a", "arguments": {"q": "x<y"}}</tool_call>'
-        '<tool_call>{"name": "b", "arguments": {}}</tool_call> done'
-    )
-    parser, content, calls = StreamedToolCalls(), "", []
-    for at in range(0, len(text), step):
-        piece = text[at : at + step]
-        c, done = parser.feed(piece, at + step >= len(text))
-        content += c
-        calls += done
-    whole_content, whole_calls = parse_hermes(text)
-    assert calls == whole_calls and [c["name"] for c in calls] == ["a", "b"]
-    assert content.strip() == "Sure <tool_c is not a tag.  done".strip()
-    assert "<tool_call>" not in content and whole_content.startswith("Sure <tool_c")
+@pytest.mark.parametrize(
+    "text,args",
+    [(AUTO_TEXT, ("auto",)), (REQUIRED_TEXT, ("required",)), (NAMED_TEXT, ("named", "get_time"))],
+    ids=["auto", "required", "named"],
+)
+def test_streamed_calls_add_up_to_the_whole_parse_for_any_split(step, text, args):
+    content, deltas = _streamed(text, step, *args)
+    whole_content, whole_calls = parse_tool_calls(text, *args)
+    assert accumulate(deltas) == whole_calls and len(whole_calls) == (1 if args[0] == "named" else 2)
+    for call in whole_calls:
+        json.loads(call["arguments"])
+    assert (content or None) == whole_content
+    # OpenAI's shape: each call opens with its name and empty arguments, then fragments only.
+    opened = [d.index for d in deltas if d.name is not None]
+    assert opened == list(range(len(whole_calls)))
+    assert all(d.arguments == "" for d in deltas if d.name is not None)
+    if step == 1:  # token by token the arguments arrive in many pieces, not in one at the end
+        assert sum(1 for d in deltas if d.name is None and d.index == 0) > 5
+    if args[0] == "auto":
+        assert content == "Sure <tool_c is not a tag. \n done"  # no tag text, the text around the blocks kept
+
+
+def test_stream_holds_back_content_from_the_first_block_on():
+    streamer = ToolCallStreamer("auto")
+    assert streamer.feed("Let me check. ", False) == ("Let me check.", [])
+    assert streamer.feed("<tool", False) == ("", [])
+    content, deltas = streamer.feed('_call>{"name": "f", "arguments": {"a": 1', False)
+    assert content == "" and [(d.name, d.arguments) for d in deltas] == [("f", ""), (None, '{"a": 1')]
+    content, deltas = streamer.feed("}}</tool_call>\n", False)
+    assert content == "" and [d.arguments for d in deltas] == ["}"]
+    assert streamer.feed("", True) == ("", [])
+    # parallel_tool_calls false: a second block is dropped, whole and streamed
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    for step in (1, 1000):
+        assert accumulate(_streamed(text, step, "auto", None, False)[1]) == [{"name": "f", "arguments": "{}"}]
+
+
+# What the bundled SmolLM2-135M wrote, greedy, for test_server_structured.py's few-shot history
+# (tool_choice none returns the raw text), 2026-12-01.
+REAL_OUTPUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_the_real_model_output_parses_whole_and_streamed(step):
+    expected = [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert parse_tool_calls(REAL_OUTPUT, "auto") == (None, expected)
+    content, deltas = _streamed(REAL_OUTPUT, step, "auto")
+    assert content == "" and accumulate(deltas) == expected
 
 
 def test_history_as_text_for_templates_without_tools():
@@ -134,7 +200,9 @@ def test_history_as_text_for_templates_without_tools():
     assert (
         out[0]["role"] == "system" and "<tools>" in out[0]["content"] and "get_weather" in out[0]["content"]
     )
-    assert parse_hermes(out[2]["content"])[1] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert parse_tool_calls(out[2]["content"], "auto")[1] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ]
     assert out[3] == {"role": "user", "content": '<tool_response>\n{"temp": 21}\n</tool_response>'}
     assert all(set(m) == {"role", "content"} for m in out)
     with_system = history_as_text([{"role": "system", "content": "Be brief."}, *messages[:1]], [WEATHER])

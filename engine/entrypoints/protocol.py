@@ -9,7 +9,7 @@ Ranges are checked by SamplingParams, the one place that knows them.
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # Integers a client sends must fit the engine's int64 tensors and the msgpack wire: an out-of-range value
 # is the client's 400, never an engine crash. Python's json module also accepts NaN and Infinity, which
@@ -126,12 +126,20 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
-class DeltaFunctionCall(OpenAIBaseModel):
+class _OmitNone(OpenAIBaseModel):
+    # A call's fragments carry only index and arguments, as OpenAI sends them: the openai client adds
+    # deltas up key by key and takes a present "type": null as the call's new type.
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(OpenAIBaseModel):
+class DeltaToolCall(_OmitNone):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None

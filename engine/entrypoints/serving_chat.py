@@ -37,10 +37,10 @@ from tokenmill.engine.entrypoints.server_state import ServerState
 from tokenmill.engine.entrypoints.streaming import SSE_DONE, sse
 from tokenmill.engine.entrypoints.structured_request import check_compiles, request_structured_outputs
 from tokenmill.engine.entrypoints.tool_parser import (
-    StreamedToolCalls,
+    CallDelta,
+    ToolCallStreamer,
     new_call_id,
-    parse_forced,
-    parse_hermes,
+    parse_tool_calls,
 )
 from tokenmill.engine.entrypoints.tool_request import ToolPlan, history_as_text, plan_tools
 from tokenmill.engine.outputs import RequestOutput
@@ -157,12 +157,7 @@ def _calls(text: str, tools: ToolPlan | None) -> tuple[str | None, list[dict[str
     """(content, calls) of a finished output."""
     if tools is None or tools.choice == "none":
         return text, []
-    if tools.choice == "auto":
-        content, calls = parse_hermes(text)
-    else:
-        calls = parse_forced(text, tools.choice, tools.named)
-        content = None if calls else text
-    return content, calls if tools.parallel else calls[:1]
+    return parse_tool_calls(text, tools.choice, tools.named, tools.parallel)
 
 
 def _finish_reason(reason: str | None, tools: ToolPlan | None, num_calls: int) -> str | None:
@@ -199,13 +194,14 @@ async def _full(
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def _call_deltas(calls: list[dict[str, str]], first_index: int) -> list[DeltaToolCall]:
-    return [
-        DeltaToolCall(
-            index=first_index + k, id=new_call_id(), type="function", function=DeltaFunctionCall(**c)
-        )
-        for k, c in enumerate(calls)
-    ]
+def _tool_delta(d: CallDelta, ids: dict[int, str]) -> DeltaToolCall:
+    """OpenAI's shape: a call's first delta has its id, type and name (arguments ""); then fragments."""
+    if d.name is None:
+        return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
+    ids[d.index] = new_call_id()
+    return DeltaToolCall(
+        index=d.index, id=ids[d.index], type="function", function=DeltaFunctionCall(name=d.name, arguments="")
+    )
 
 
 async def _stream(
@@ -220,11 +216,12 @@ async def _stream(
     created = int(time.time())
     params, tools = plan.params, plan.tools
     n = params.n
-    sent_text, sent_tokens, sent_calls = [""] * n, [0] * n, [0] * n
+    sent_text, sent_tokens = [""] * n, [0] * n
     started, finished = [False] * n, [False] * n
-    # auto: read calls as they close; required/named: the forced JSON is read when the choice ends
-    auto = [StreamedToolCalls() for _ in range(n)] if tools is not None and tools.choice == "auto" else None
-    forced = tools is not None and tools.choice in ("required", "named")
+    call_ids: list[dict[int, str]] = [{} for _ in range(n)]
+    streamers = None
+    if tools is not None and tools.choice != "none":
+        streamers = [ToolCallStreamer(tools.choice, tools.named, tools.parallel) for _ in range(n)]
     final: RequestOutput | None = None
 
     def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
@@ -241,20 +238,14 @@ async def _stream(
                     continue
                 if not started[i]:
                     started[i] = True
+                    # With tools the content may stay null (a call), as OpenAI's first chunk says.
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content="")
+                        index=i, delta=DeltaMessage(role="assistant", content=None if streamers else "")
                     ))  # fmt: skip
                 done = c.finish_reason is not None
                 delta, calls = c.text[len(sent_text[i]) :], []
-                if auto is not None:
-                    delta, calls = auto[i].feed(delta, done)
-                    if not tools.parallel:
-                        calls = calls[: max(0, 1 - sent_calls[i])]
-                elif forced:
-                    delta = ""
-                    if done:
-                        content, calls = _calls(c.text, tools)
-                        delta = content or ""
+                if streamers is not None:
+                    delta, calls = streamers[i].feed(delta, done)
                 new_lp = None
                 if (
                     params.logprobs is not None
@@ -264,14 +255,18 @@ async def _stream(
                     new_lp = ChatCompletionLogProbs(content=chat_logprobs(
                         texts, c.token_ids[sent_tokens[i]:], c.logprobs[sent_tokens[i]:], top_k
                     ))  # fmt: skip
-                if delta or calls or new_lp is not None or done:
-                    tool_deltas = _call_deltas(calls, sent_calls[i]) if calls else None
-                    sent_calls[i] += len(calls)
-                    reason = _finish_reason(c.finish_reason, tools, sent_calls[i]) if done else None
+                # One delta per chunk, as OpenAI sends them: content first, then each call piece; the
+                # step's logprobs ride on the first chunk and finish_reason on the last.
+                deltas = []
+                if delta or (not calls and (new_lp is not None or done)):
+                    deltas.append(DeltaMessage(content=delta or (None if streamers else "")))
+                deltas += [DeltaMessage(tool_calls=[_tool_delta(d, call_ids[i])]) for d in calls]
+                for k, d in enumerate(deltas):
+                    last = done and k == len(deltas) - 1
+                    reason = _finish_reason(c.finish_reason, tools, len(call_ids[i])) if last else None
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(content=delta or None if tool_deltas else delta,
-                                                    tool_calls=tool_deltas),
-                        logprobs=new_lp, finish_reason=reason, stop_reason=c.stop_reason if done else None,
+                        index=i, delta=d, logprobs=new_lp if k == 0 else None, finish_reason=reason,
+                        stop_reason=c.stop_reason if last else None,
                     ))  # fmt: skip
                 sent_text[i], sent_tokens[i], finished[i] = c.text, len(c.token_ids), done
         if include_usage and final is not None:
