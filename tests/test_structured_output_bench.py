@@ -20,6 +20,9 @@ def test_structured_bench_rows_on_a_tiny_model(tmp_path, bundled_model_dir):
     assert all(r["slowdown"] > 0 for r in report["rows"])
     assert report["large_schema"]["num_properties"] == 20
     assert report["large_schema"]["compile_seconds"] > 0
+    stall = report["compile_stall"]
+    assert stall["num_properties"] == 20 and stall["compile_wait_seconds"] is not None
+    assert stall["median_step_seconds_after"] > 0
 
 
 def test_structured_bench_refuses_bad_batches(capsys):

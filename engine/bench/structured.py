@@ -102,6 +102,53 @@ def mask_seconds_per_step(llm: Any, batch: int, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def compile_stall(llm: Any, num_properties: int, after_steps: int = 20) -> dict[str, Any]:
+    """Whether a cold compile stalls other requests: a plain request decodes while a request with a
+    never-seen large schema waits for its grammar (on the engine core's grammar thread, as in the
+    server). Step times while the compile ran vs after it, and the steps taken meanwhile."""
+    import statistics
+
+    from tokenmill.engine import SamplingParams, StructuredOutputsParams
+    from tokenmill.engine.outputs import EngineCoreRequest
+
+    engine = llm.engine
+    schema = {**large_schema(num_properties), "description": f"stall probe {time.time_ns()}"}  # uncached
+    prompt_ids = engine.tokenize(PROMPT)
+    room = engine.core.max_model_len - len(prompt_ids)
+    plain = SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True)
+    so = StructuredOutputsParams(json=schema)
+    constrained = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=so)
+    ids = ["stall-plain", "stall-schema"]
+    now = time.monotonic()
+    for rid, params in zip(ids, (plain, constrained), strict=True):
+        # Not engine.add_request: offline it compiles first, blocking; the server's core does not.
+        engine.core.add_request(EngineCoreRequest(rid, prompt_ids, params, now, 0, None))
+        engine.processor.add_request(rid, None, prompt_ids, params, now)
+    during, after = [], []
+    t0 = prev = time.perf_counter()
+    compile_seconds = None
+    try:
+        while len(after) < after_steps and engine.has_unfinished_requests():
+            compiling = bool(engine.core.structured_outputs.pending)
+            engine.step(emit_unfinished=False)
+            t = time.perf_counter()
+            (during if compiling else after).append(t - prev)
+            if not compiling and compile_seconds is None:
+                compile_seconds = prev - t0
+            prev = t
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+    return {
+        "num_properties": num_properties,
+        "compile_wait_seconds": compile_seconds,
+        "steps_during_compile": len(during),
+        "median_step_seconds_during_compile": statistics.median(during) if during else None,
+        "max_step_seconds_during_compile": max(during) if during else None,
+        "median_step_seconds_after": statistics.median(after) if after else None,
+    }
+
+
 def run_structured_bench(llm: Any, batches: list[int], max_tokens: int, num_properties: int) -> dict[str, Any]:
     llm.generate(None, prompt_token_ids=[[1, 2, 3, 4]], use_tqdm=False)  # warm up one-time costs
     rows = []
@@ -118,4 +165,5 @@ def run_structured_bench(llm: Any, batches: list[int], max_tokens: int, num_prop
             "plain_seconds_per_step": plain["seconds"] / plain["num_steps"],
             "grammar_mask_seconds_per_step": mask_seconds_per_step(llm, b),
         })
-    return {"max_tokens": max_tokens, "rows": rows, "large_schema": compile_times(llm, num_properties)}
+    return {"max_tokens": max_tokens, "rows": rows, "large_schema": compile_times(llm, num_properties),
+            "compile_stall": compile_stall(llm, num_properties)}  # fmt: skip
