@@ -17,6 +17,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,8 +35,17 @@ BUILD_SCRIPT = REPO / "e2e" / "build_cluster_tools.sh"
 KWOK_STAGES = REPO / "e2e" / "kwok_stages.yaml"
 SERVICE_CIDR = "10.96.0.0/24"  # nothing ever connects to ClusterIPs here (no kube-proxy)
 # kwok hands out pod IPs from a loopback range: the operator scrapes pod IPs for metrics, and traffic
-# must never leave this machine. A connection to 127.244.x.y is refused (or reaches a test's server).
-POD_CIDR = "127.244.0.0/16"
+# must never leave this machine. A connection to 127.x.y.z is refused (or reaches a test's server).
+# Each cluster draws its own /20 in 127.200.0.0-127.254.255.255: several clusters run at once on one
+# machine (worktrees, CI), and the pod runner's engines bind their pod IP, so two clusters handing out the
+# same IP would collide on its port (seen: "address already in use" on 127.244.0.1:8000).
+POD_CIDR_PREFIX = 20
+
+
+def pod_cidr() -> str:
+    return f"127.{random.randint(200, 254)}.{16 * random.randint(0, 15)}.0/{POD_CIDR_PREFIX}"
+
+
 NODE_IP = "127.0.0.1"
 # The order processes start in; they stop in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -369,7 +379,7 @@ def _bring_up(c: Cluster, state: dict, pki: Path, nodes: tuple[GPUNode, ...], ti
                 "kube-scheduler", proc, logs / "kube-scheduler.log", timeout)
 
     proc = _start(w, state, "kwok", [
-        str(t.kwok), f"--kubeconfig={kc}", "--manage-all-nodes=true", f"--cidr={POD_CIDR}",
+        str(t.kwok), f"--kubeconfig={kc}", "--manage-all-nodes=true", f"--cidr={pod_cidr()}",
         # Node health through Leases renewed every 10 s (as kwokctl runs it): without them kwok only
         # refreshes node status about once a minute and the node lifecycle controller flips every node
         # NotReady for a few seconds each time, which marks every pod unready.

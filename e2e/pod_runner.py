@@ -17,8 +17,9 @@ e2e/kwok_stages.yaml); this runner watches them and, for each one:
   phase and the Initialized / ContainersReady / Ready conditions to the pod's status.
 
 What differs from the pod spec is DEVIATIONS below, and nothing else (docs/e2e.md has the same list).
-Pod IPs are loopback addresses (kwok's --cidr is 127.244.0.0/16), so a process that binds its pod IP
-is reachable at podIP:containerPort, which is what the operator connects to: traffic stays on loopback.
+Pod IPs are loopback addresses (kwok's --cidr: a /20 of 127.200-254.x.x, cluster.pod_cidr), so a process
+that binds its pod IP is reachable at podIP:containerPort, which is what the operator connects to: traffic
+stays on loopback.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ DEVIATIONS = (
     "not enforced: resources (no cgroups), securityContext (user, read-only root, capabilities, seccomp), "
     "readOnly mounts",
     "deletion: kwok removes a deleted pod at once; the runner then sends SIGTERM and SIGKILLs after "
-    "terminationGracePeriodSeconds",
+    "terminationGracePeriodSeconds; kwok may give its IP to a new pod at once, which the runner starts only "
+    "when the old processes are gone",
     "DNS: there is no cluster DNS; an env value that is a pod's DNS name (HOST.SUBDOMAIN.NAMESPACE[.svc"
     "[.cluster.local]], e.g. LWS_LEADER_ADDRESS) becomes that pod's IP, and the container waits until it has one",
     "ports: a process that binds 0.0.0.0 itself (not through --host; e.g. the multi-node leader's rendezvous "
@@ -723,8 +725,11 @@ class PodRunner(threading.Thread):
                         not (p.get("status") or {}).get("podIP"):
                     continue
                 live[p["metadata"]["uid"]] = p
+            # kwok hands a deleted pod's IP to the next pod at once, while the old processes may still be
+            # draining on it; a CNI would not reuse an address in use, so such a pod starts once it is free.
+            draining = {w.pod_ip for w in self.finished if w.is_alive()}
             for uid, pod in live.items():
-                if uid not in self.workers:
+                if uid not in self.workers and pod["status"]["podIP"] not in draining:
                     d = self.root / str(len(self.workers) + len(self.finished))
                     with open(self.index, "a") as f:
                         f.write(f"{d.name} {pod['metadata']['namespace']}/{pod['metadata']['name']} ({uid})\n")

@@ -5,18 +5,17 @@ ready, and answers at its pod IP; replicas and restarts on the shared cache volu
 The stand-in serves two repos:
 - `HuggingFaceTB/SmolLM2-135M-Instruct`: the bundled GGUF's conversion to a Hugging Face folder (the same
   model the real repo holds, dequantized from Q4_1), so examples/hub-model-cached.yaml runs as written;
-- `acme/tiny-gated`: a tiny random Llama (tests/tiny_models.py), gated, granted to one token.
+- `acme/smollm2-gated`: the same folder again, gated, granted to one token.
 The session's operator is replaced for this module by one with --hf-endpoint.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import REPO, Cluster
+from cluster import Cluster
 from e2e_helpers import ISVC, OperatorProcess, apply, condition, get, replaced_operator, wait_for
 from hub_standin import HubStandin
 from pod_runner import PodRunner
@@ -31,24 +30,20 @@ from test_pod_runner import (
 )
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GATED = "acme/tiny-gated"
+GATED = "acme/smollm2-gated"
 TOKEN = "hf_e2e_granted"
 WEIGHTS = "model.safetensors"
-# tests/tiny_models.py's llama, in spec.model.profile's words.
-TINY_PROFILE = {"layers": 2, "hiddenSize": 64, "numAttentionHeads": 4, "numKeyValueHeads": 2, "intermediateSize": 128,
-                "vocabSize": 49152, "maxPositionEmbeddings": 512}
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory) -> Iterator[HubStandin]:
+def hub() -> Iterator[HubStandin]:
+    # The engine (torch) is imported only when this module runs.
     from tokenmill.engine.model_loader import resolve_model
 
-    tiny_models = load_tests_module("tiny_models")  # needs the engine (torch): loaded only when this runs
-
+    folder = resolve_model(None)
     with HubStandin() as hub:
-        hub.smollm2_sha = hub.add_repo(SMOLLM2, resolve_model(None))
-        tiny = tiny_models.make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-        hub.gated_sha = hub.add_repo(GATED, tiny, tags=("v1",), gated=True, tokens=(TOKEN,))
+        hub.smollm2_sha = hub.add_repo(SMOLLM2, folder)
+        hub.gated_sha = hub.add_repo(GATED, folder, tags=("v1",), gated=True, tokens=(TOKEN,))
         yield hub
 
 
@@ -58,15 +53,6 @@ def hub_operator(cluster: Cluster, operator: OperatorProcess, chart_release: str
     log = tmp_path_factory.mktemp("op") / "operator.log"
     with replaced_operator(cluster, operator, chart_release, [f"--hf-endpoint={hub.url}"], log) as mine:
         yield mine
-
-
-def load_tests_module(name: str):
-    """A helper module of tests/ by file path (tests/ is not on sys.path in an e2e session)."""
-    path = REPO / "tests" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"tokenmill_tests_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -132,12 +118,15 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
         hub.reset_log()
         old = pods[0]
         cluster.kubectl("delete", "pod", old["metadata"]["name"], "-n", namespace, "--wait=false")
-        wait_for(lambda: (o := get(cluster, ISVC, name, namespace)) and o["status"].get("readyReplicas") == 2
-                 and all(p["metadata"]["uid"] != old["metadata"]["uid"] for p in runner_pods(cluster, namespace, name))
-                 and len(runner_pods(cluster, namespace, name)) == 2 and o,
-                 "the replacement pod Ready", timeout=ENGINE_START_S)
-        new = next(p for p in runner_pods(cluster, namespace, name)
-                   if p["metadata"]["name"] not in {q["metadata"]["name"] for q in pods})
+        def replaced() -> dict | None:
+            now = runner_pods(cluster, namespace, name)
+            fresh = [p for p in now if p["metadata"]["uid"] not in {q["metadata"]["uid"] for q in pods}]
+            ready = fresh and (condition(fresh[0], "Ready") or {}).get("status") == "True"
+            return fresh[0] if ready and len(now) == 2 else None
+
+        new = wait_for(replaced, "the replacement pod Ready", timeout=ENGINE_START_S)
+        wait_for(lambda: (o := get(cluster, ISVC, name, namespace)) and o["status"].get("readyReplicas") == 2,
+                 "readyReplicas 2 again", timeout=60)
         assert completion(new).status_code == 200
         assert file_gets(hub, SMOLLM2) == [], hub.requests(SMOLLM2)
         assert pod_runner.all_errors() == []
@@ -152,16 +141,17 @@ def test_gated_hub_model_downloads_with_the_token_secret_and_answers(
     cluster.kubectl("create", "secret", "generic", "hf-token", f"--from-literal=HF_TOKEN={TOKEN}", "-n", namespace)
     hub.reset_log()
     apply(cluster, with_runner({
-        "apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "tiny"},
+        "apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "gated"},
         # The chart's default RBAC lets the operator read no Secret, so it cannot fetch a gated config.json
-        # (it says so: GatedModel, naming rbac.readSecrets); the profile gives the numbers instead.
-        "spec": {"model": {"uri": f"hf://{GATED}@v1", "tokenSecretRef": {"name": "hf-token"}, "profile": TINY_PROFILE},
+        # (it says so: GatedModel, naming rbac.readSecrets); the profile names the numbers instead.
+        "spec": {"model": {"uri": f"hf://{GATED}@v1", "tokenSecretRef": {"name": "hf-token"},
+                           "profile": {"base": "SmolLM2-135M"}},
                  "resources": {"gpu": {"type": "nvidia-l4", "count": 1}}, "replicas": 1}}), namespace)
-    obj, _ = wait_ready_sampling_kstatus(cluster, namespace, "tiny")
-    assert obj["status"]["sizing"]["profileSource"] == "spec", obj["status"]["sizing"]
+    obj, _ = wait_ready_sampling_kstatus(cluster, namespace, "gated")
+    assert obj["status"]["sizing"]["profileSource"] != "hub", obj["status"]["sizing"]  # no config.json read
     assert (condition(obj, "Stalled") or {}).get("status") != "True", obj["status"]["conditions"]
-    [pod] = runner_pods(cluster, namespace, "tiny")
-    assert_runs_deployment_argv(cluster, pod_runner, namespace, "tiny", pod)
+    [pod] = runner_pods(cluster, namespace, "gated")
+    assert_runs_deployment_argv(cluster, pod_runner, namespace, "gated", pod)
     assert environ(engine_pid(pod_runner, pod))["HF_TOKEN"] == TOKEN  # from the Secret, as the kubelet does
     rsp = completion(pod)
     assert rsp.status_code == 200, rsp.text
