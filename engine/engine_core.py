@@ -20,6 +20,7 @@ from tokenmill.engine.parallel_executor import LeaderGroup, agree_num_kv_blocks,
 from tokenmill.engine.parallel_state import SINGLE, validate_parallel
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_input import max_packed_len
 from tokenmill.engine.structured_output_manager import StructuredOutputManager, accept_token
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,12 @@ class EngineCore:
             self._check_pool(num_blocks, kv_per_token, dtype_name)
         par = SINGLE
         if tp * pp > 1:  # the other ranks start now and load their shards alongside this one
-            self.group = start_leader(dataclasses.replace(config, model=str(self.model_path)), self.device)
+            step_bytes = 8 * max_packed_len(
+                config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.block_size
+            )
+            self.group = start_leader(
+                dataclasses.replace(config, model=str(self.model_path)), self.device, step_bytes
+            )
             par = self.group.par
         torch.manual_seed(config.seed)
         model = load_model(self.model_path, mc, self.dtype, self.device, par)
@@ -246,7 +252,12 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.scheduled:
             block_ids = [self.kv.block_ids(r) for r, _ in sched.scheduled]
-            tokens, logprobs, sampled = self.runner.execute(sched.scheduled, block_ids)
+            try:
+                tokens, logprobs, sampled = self.runner.execute(sched.scheduled, block_ids)
+            except Exception as e:
+                if self.group is not None:  # name the rank that took the step down
+                    self.group.step_failed(e, self.config.collective_timeout_s)
+                raise
             held = slots = 0
             for req, n in sched.scheduled:
                 req.num_computed_tokens += n

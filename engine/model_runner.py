@@ -68,7 +68,7 @@ class ModelRunner:
         step = self.prepare(scheduled, block_ids)
         par = self.par
         if par.world_size > 1:
-            broadcast_step(step, par.control_group)
+            broadcast_step(step, par)
         logits = self.forward(step)
         if not step.sample_rows.size:
             return [], [], []

@@ -24,6 +24,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.parallel_state import ParallelState, init_parallel, layer_range
+from tokenmill.engine.shm_broadcast import ShmRing
 from tokenmill.engine.step_input import broadcast_step
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ WATCHDOG_POLL_S = 0.2
 # (a collective), the process exits by itself after this long.
 EXIT_GRACE_S = 3.0
 SHUTDOWN_WAIT_S = 10.0
+PROC_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped",
+               "Z": "exited"}  # fmt: skip
 
 
 def free_port() -> int:
@@ -56,6 +59,7 @@ def worker_command(
         "--master-port", str(master_port),
         "--device", device_type,
         "--collective-timeout", str(config.collective_timeout_s),
+        "--nnodes", str(config.nnodes),
         *(["--model", config.model] if config.model else []),
     ]  # fmt: skip
 
@@ -105,6 +109,23 @@ class RankWatchdog:
     def stop(self) -> None:
         self._stop.set()
 
+    def describe_ranks(self) -> str:
+        """Each local rank's process state, for the log line of a step whose collective failed: a hung
+        rank shows up as "stopped" (SIGSTOP) or "running"/"sleeping" (stuck), a dead one as exited."""
+        parts = []
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                parts.append(f"parallel rank {rank} (pid {proc.pid}) exited with code {code}")
+                continue
+            try:
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                state = "?"
+            parts.append(f"parallel rank {rank} (pid {proc.pid}) is {PROC_STATES.get(state, state)}")
+        return "; ".join(parts) or "no local ranks (the others are on other nodes)"
+
 
 @dataclasses.dataclass(slots=True)
 class LeaderGroup:
@@ -114,6 +135,16 @@ class LeaderGroup:
     procs: dict[int, subprocess.Popen]
     watchdog: RankWatchdog
     closed: bool = False
+    failed: bool = False  # a step failed: do not wait for ranks that may hang
+
+    def step_failed(self, err: BaseException, collective_timeout_s: float) -> None:
+        """Log which rank took the step down: a collective failed at once (a peer closed its
+        connections) or after collective_timeout_s (a peer hung)."""
+        logger.error(
+            "a parallel step failed (%s: %s; collectives wait at most %.0f s); %s",
+            type(err).__name__, err, collective_timeout_s, self.watchdog.describe_ranks(),
+        )  # fmt: skip
+        self.failed = True
 
     def shutdown(self) -> None:
         if self.closed:
@@ -121,20 +152,23 @@ class LeaderGroup:
         self.closed = True
         self.watchdog.stop()
         try:
-            broadcast_step(None, self.par.control_group)
+            if not self.failed:  # after a failed step a rank may hang: it is killed below instead
+                broadcast_step(None, self.par)
         except Exception as e:  # a rank is already gone; the others exit on their own
             logger.warning("could not tell the parallel ranks to stop: %s", e)
-        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        deadline = time.monotonic() + (0.0 if self.failed else SHUTDOWN_WAIT_S)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-        dist.destroy_process_group()
+        if not self.failed:  # after a failure the group may be half gone; the process exits anyway
+            dist.destroy_process_group()
 
 
-def start_leader(config: EngineConfig, device: torch.device) -> LeaderGroup:
-    """Start this node's worker ranks, join the group as rank 0 and send every rank the config."""
+def start_leader(config: EngineConfig, device: torch.device, max_step_bytes: int) -> LeaderGroup:
+    """Start this node's worker ranks, join the group as rank 0, send every rank the config and the
+    shared-memory ring (of max_step_bytes per message) its node's ranks read each step from."""
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     per_node = world // config.nnodes
     if config.nnodes > 1:
@@ -147,7 +181,17 @@ def start_leader(config: EngineConfig, device: torch.device) -> LeaderGroup:
     watchdog = RankWatchdog(procs)
     try:
         par = init_parallel(config, 0, master_addr, port, device)
-        dist.broadcast_object_list([dataclasses.asdict(config)], src=0, group=par.control_group)
+        ring = ShmRing.create(per_node - 1, max_step_bytes) if per_node > 1 else None
+        try:
+            ring_info = (ring.path, max_step_bytes) if ring else None
+            dist.broadcast_object_list(
+                [dataclasses.asdict(config), ring_info], src=0, group=par.control_group
+            )
+            dist.barrier(group=par.control_group)  # every local rank has mapped the ring
+        finally:
+            if ring is not None:
+                ring.unlink()
+        par.step_ring = ring
     except BaseException:
         watchdog.stop()
         for proc in procs.values():

@@ -3,7 +3,8 @@
 Layout (as in vLLM): global rank = pp_rank * T + tp_rank. Ranks of one pipeline stage form a tensor
 parallel group; rank 0 (stage 0, tp 0) runs the scheduler and the sampler. One world group carries
 the model's collectives with a short timeout (a hung rank fails the step); a second, gloo "control"
-group carries the per-step broadcast, whose waits are unbounded (an idle engine sends nothing).
+group carries start-up and shutdown messages, whose waits are unbounded. The per-step broadcast goes
+through a shared-memory ring on rank 0's node and a gloo group to the other nodes (step_input.py).
 """
 
 import datetime
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from tokenmill.engine import kv_memory
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.parallel_check import check_parallel_devices, check_parallel_model, check_parallel_shape
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # idle workers wait for the next step this long
 RENDEZVOUS_TIMEOUT_S = 600.0  # multi-node workers may start minutes after the leader
@@ -29,6 +31,20 @@ class ParallelState:
     control_group: object | None = None
     world_group: object | None = None  # pipeline sends and receives, with the collective timeout
     tp_ranks: list[list[int]] = field(default_factory=list)
+    # The per-step broadcast (step_input.py): the shared-memory ring of rank 0's node (rank 0 writes,
+    # its node's other ranks read), and a gloo group of rank 0 and the other nodes' ranks (None on one node).
+    step_ring: object | None = None
+    remote_group: object | None = None
+    nnodes: int = 1
+    collective_timeout_s: float = 60.0
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def on_leader_node(self) -> bool:
+        return self.rank < self.ranks_per_node
 
     @property
     def world_size(self) -> int:
@@ -83,43 +99,15 @@ def vocab_shard(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 
 
 def validate_parallel(config: EngineConfig, mc: ModelConfig, device_type: str) -> None:
-    """Refuse a TP x PP split this model or machine cannot run, before any weight is read."""
+    """Refuse a TP x PP split this model or machine cannot run, before any weight is read (the rules
+    live in parallel_check.py; `tokenmill serve --check` calls this same function)."""
     t, p = config.tensor_parallel_size, config.pipeline_parallel_size
-    if t < 1 or p < 1:
-        raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be at least 1; got {t} and {p}")
-    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
-    if heads % t:
-        raise ValueError(
-            f"tensor_parallel_size={t} does not divide the model's {heads} attention heads; "
-            f"use one of {[d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]}"
-        )
-    if kv % t and t % kv:
-        raise ValueError(
-            f"tensor_parallel_size={t} neither divides the model's {kv} KV heads nor is a multiple of them "
-            "(KV heads are split evenly or replicated)"
-        )
-    if mc.intermediate_size % t:
-        raise ValueError(
-            f"tensor_parallel_size={t} does not divide the model's MLP width {mc.intermediate_size}"
-        )
-    if p > mc.num_hidden_layers:
-        raise ValueError(
-            f"pipeline_parallel_size={p} is more than the model's {mc.num_hidden_layers} layers "
-            "(every stage needs at least one)"
-        )
-    if config.nnodes < 1 or (t * p) % config.nnodes:
-        raise ValueError(
-            f"{t * p} ranks (tensor_parallel_size={t} x pipeline_parallel_size={p}) do not split evenly "
-            f"over {config.nnodes} nodes"
-        )
+    check_parallel_shape(t, p, config.nnodes)
+    check_parallel_model(
+        t, p, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size, mc.num_hidden_layers
+    )
     if device_type == "cuda":
-        per_node = t * p // config.nnodes
-        have = torch.cuda.device_count()
-        if per_node > have:
-            raise ValueError(
-                f"tensor_parallel_size={t} x pipeline_parallel_size={p} needs {per_node} GPUs per node "
-                f"({config.nnodes} node(s)), but {have} are present"
-            )
+        check_parallel_devices(t, p, config.nnodes, torch.cuda.device_count())
 
 
 def init_parallel(
@@ -147,8 +135,13 @@ def init_parallel(
     tp_ranks = [list(range(s * t, (s + 1) * t)) for s in range(p)]
     groups = [dist.new_group(ranks, backend=backend, timeout=timeout) for ranks in tp_ranks]
     state = ParallelState(
-        tp_size=t, pp_size=p, rank=rank, control_group=control, world_group=world_group, tp_ranks=tp_ranks
-    )
+        tp_size=t, pp_size=p, rank=rank, control_group=control, world_group=world_group, tp_ranks=tp_ranks,
+        nnodes=config.nnodes, collective_timeout_s=config.collective_timeout_s,
+    )  # fmt: skip
+    if config.nnodes > 1:  # every rank creates every group, members or not (torch.distributed's rule)
+        remote = [0, *range(state.ranks_per_node, world)]
+        group = dist.new_group(remote, backend="gloo", timeout=CONTROL_TIMEOUT)
+        state.remote_group = group if rank in remote else None
     state.tp_group = groups[state.pp_rank] if t > 1 else None
     return state
 

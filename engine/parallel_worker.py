@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -23,6 +24,24 @@ from tokenmill.engine.config import EngineConfig
 logger = logging.getLogger("tokenmill.engine.parallel_worker")
 
 
+PARENT_POLL_S = 0.5
+
+
+def exit_with_parent() -> None:
+    """A rank never outlives the process that started it (rank 0's engine core, or a headless node's
+    launcher): when that one dies, even by SIGKILL, this one exits within PARENT_POLL_S. Without this a
+    rank blocked in the rendezvous or in a wait for the next step would be left running."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        logger.error("the process that started this rank (pid %d) is gone; exiting", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from tokenmill.engine.engine_core import num_kv_blocks_for
@@ -30,17 +49,25 @@ def run_rank(args: argparse.Namespace) -> int:
     from tokenmill.engine.model_loader import load_model, resolve_dtype, resolve_model
     from tokenmill.engine.parallel_executor import agree_num_kv_blocks, make_runner
     from tokenmill.engine.parallel_state import init_parallel
+    from tokenmill.engine.shm_broadcast import ShmRing
     from tokenmill.engine.step_input import receive_step
 
     device = torch.device(f"cuda:{args.local_rank}" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     t, p = args.tensor_parallel_size, args.pipeline_parallel_size
-    shape = EngineConfig(tensor_parallel_size=t, pipeline_parallel_size=p, collective_timeout_s=args.collective_timeout)
+    shape = EngineConfig(
+        tensor_parallel_size=t, pipeline_parallel_size=p, collective_timeout_s=args.collective_timeout,
+        nnodes=args.nnodes,
+    )  # fmt: skip
     par = init_parallel(shape, args.rank, args.master_addr, args.master_port, device)
-    box = [None]
+    box = [None, None]
     dist.broadcast_object_list(box, src=0, group=par.control_group)
     config = EngineConfig(**box[0])
+    if par.on_leader_node:  # rank 0's node: each step comes through its shared-memory ring
+        path, max_step_bytes = box[1]
+        par.step_ring = ShmRing.attach(path, par.ranks_per_node - 1, max_step_bytes, par.rank - 1)
+    dist.barrier(group=par.control_group)  # rank 0 removes the ring's file once all mapped it
     if (config.tensor_parallel_size, config.pipeline_parallel_size) != (t, p):
         raise ValueError(
             f"rank {args.rank} was started for tensor_parallel_size={t} x pipeline_parallel_size={p}, but the "
@@ -63,8 +90,8 @@ def run_rank(args: argparse.Namespace) -> int:
     runner = make_runner(model, mc, config, num_blocks, max_model_len, dtype, device, par)
     logger.info("rank %d (tp %d, pp %d) ready: %d KV blocks on %s", par.rank, par.tp_rank, par.pp_rank,
                 num_blocks, device)  # fmt: skip
-    while True:
-        step = receive_step(par.control_group)
+    while True:  # rank 0 gone: exit_with_parent (its node) or a closed gloo connection (other nodes)
+        step = receive_step(par)
         if step is None:
             break
         runner.forward(step)
@@ -108,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
     ap.add_argument("--collective-timeout", type=float, required=True)
+    ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--model", default=None, help="this node's model, when the leader's folder is not here")
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("TOKENMILL_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s %(levelname)s [rank {args.rank}] %(name)s: %(message)s",
     )
+    exit_with_parent()
     try:
         return run_rank(args)
     except Exception as e:

@@ -2,7 +2,9 @@
 
 The operator's plans for GPUs a CI machine does not have get their argv checked this way (e2e): the
 model source resolves (for a hub model only config.json is fetched), the architecture is one we run,
-max_model_len fits the model, and a KV pool sized from the arguments holds one full-length sequence.
+max_model_len fits the model, the TP x PP split fits the model and the devices (the engine core's
+own parallel_state.validate_parallel), and a KV pool sized from the arguments (per rank) holds one
+full-length sequence.
 Exit 0 with one summary line, or 2 with one line naming the problem.
 """
 
@@ -18,11 +20,13 @@ def preflight(config: EngineConfig, revision: str | None = None) -> str:
     from tokenmill.engine.model_config import load_model_config
     from tokenmill.engine.model_loader import resolve_dtype, resolve_model
     from tokenmill.engine.model_source import parse_model_source
+    from tokenmill.engine.parallel_state import validate_parallel
 
     source = parse_model_source(config.model, revision)
     path = resolve_model(config.model, revision, config_only=True)
     mc = load_model_config(path)
     device = resolve_device(config.device)
+    validate_parallel(config, mc, device.type)  # the engine core's own check, before its weights
     dtype = str(resolve_dtype(config.dtype, device.type)).removeprefix("torch.")
     max_model_len = config.max_model_len or mc.max_model_len
     if max_model_len > mc.max_model_len:
@@ -30,9 +34,10 @@ def preflight(config: EngineConfig, revision: str | None = None) -> str:
             f"max_model_len={max_model_len} is larger than this model supports ({mc.max_model_len} tokens); "
             f"use --max-model-len {mc.max_model_len} or less"
         )
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     kv_per_token = kv_memory.kv_bytes_per_token(
-        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype
-    )
+        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype, tp, pp
+    )  # per rank, as the engine core sizes each rank's pool
     blocks = config.num_kv_blocks
     if blocks is None and (config.kv_cache_memory is not None or device.type != "cuda"):
         budget = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
@@ -49,6 +54,8 @@ def preflight(config: EngineConfig, revision: str | None = None) -> str:
                 f"least {need} (or --kv-cache-memory) or lower --max-model-len to at most {have}"
             )
         pool = f"KV pool {blocks} blocks x {config.block_size} tokens = {blocks * config.block_size} tokens"
+    if tp * pp > 1:
+        pool += f" per rank, tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
     return (
         f"ok: {source.display} ({mc.architecture}, {mc.num_hidden_layers} layers, {mc.num_attention_heads} "
         f"heads / {mc.num_key_value_heads} KV heads), {dtype} on {device.type}, max_model_len {max_model_len}, "

@@ -1,15 +1,20 @@
 """One step's batch as a few compact arrays, and its broadcast from rank 0 to every other rank.
 
 Rank 0 (the scheduler) builds a StepInput per step; with several ranks it packs it into one int64
-array and broadcasts a fixed 6-int header, then the array, over the gloo control group. That is two
-small messages per step whatever the model; docs/engine.md has the measured cost.
+array and writes it into a shared-memory ring its node's ranks read (shm_broadcast.py: no system call,
+microseconds); ranks on other nodes get a fixed 6-int header, then the array, over a gloo group.
+docs/engine.md has the measured cost.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from tokenmill.engine.parallel_state import ParallelState
 
 HEADER_LEN = 6
 SHUTDOWN = -1  # header[0] of the message that tells the workers to exit
@@ -71,25 +76,46 @@ def unpack(buf: np.ndarray) -> StepInput:
     )
 
 
-def broadcast_step(step: StepInput | None, group: object) -> None:
-    """Rank 0: send this step (None: the shutdown message) to every rank of `group`."""
+def max_packed_len(
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
+) -> int:
+    """The most int64s pack() returns under this config: what the shared-memory ring's chunk holds."""
+    seqs = min(max_num_seqs, max_num_batched_tokens)
+    width = -(-max_model_len // block_size)
+    return HEADER_LEN + 3 * max_num_batched_tokens + (seqs + 1) + seqs + seqs * width + seqs
+
+
+def broadcast_step(step: StepInput | None, par: "ParallelState") -> None:
+    """Rank 0: send this step (None: the shutdown message) to every other rank: through the
+    shared-memory ring to its own node's ranks, over gloo (a 6-int header, then the array) to the
+    ranks of other nodes."""
     if step is None:
-        header = torch.tensor([SHUTDOWN, 0, 0, 0, 0, 0], dtype=torch.int64)
-        dist.broadcast(header, src=0, group=group)
-        return
-    buf = torch.from_numpy(pack(step))
-    header = buf[:HEADER_LEN].clone()
-    header[HEADER_LEN - 1] = buf.numel()
-    dist.broadcast(header, src=0, group=group)
-    dist.broadcast(buf, src=0, group=group)
+        buf = np.array([SHUTDOWN, 0, 0, 0, 0, 0], dtype=np.int64)
+    else:
+        buf = pack(step)
+    if par.step_ring is not None:
+        par.step_ring.write(buf, par.collective_timeout_s)
+    if par.remote_group is not None:
+        t = torch.from_numpy(buf)
+        header = t[:HEADER_LEN].clone()
+        header[HEADER_LEN - 1] = t.numel()
+        dist.broadcast(header, src=0, group=par.remote_group)
+        if step is not None:
+            dist.broadcast(t, src=0, group=par.remote_group)
 
 
-def receive_step(group: object) -> StepInput | None:
+def receive_step(par: "ParallelState") -> StepInput | None:
     """Other ranks: block until rank 0 sends the next step; None means shut down."""
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=group)
-    if int(header[0]) == SHUTDOWN:
+    if par.step_ring is not None:
+        buf = par.step_ring.read().view(np.int64)
+    else:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=par.remote_group)
+        if int(header[0]) == SHUTDOWN:
+            return None
+        t = torch.empty(int(header[HEADER_LEN - 1]), dtype=torch.int64)
+        dist.broadcast(t, src=0, group=par.remote_group)
+        buf = t.numpy()
+    if int(buf[0]) == SHUTDOWN:
         return None
-    buf = torch.empty(int(header[HEADER_LEN - 1]), dtype=torch.int64)
-    dist.broadcast(buf, src=0, group=group)
-    return unpack(buf.numpy())
+    return unpack(buf)

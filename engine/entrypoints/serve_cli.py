@@ -291,12 +291,12 @@ def _resolve_nodes(args: argparse.Namespace, env: dict[str, str], parser: argpar
                 parser.error(f"{name}={raw!r}: expected an integer")
     if args.leader_address is None:
         args.leader_address = env.get("LWS_LEADER_ADDRESS") or None
-    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
-    if args.nnodes < 1 or ranks % args.nnodes:
-        parser.error(
-            f"{ranks} ranks (--tensor-parallel-size {args.tensor_parallel_size} x --pipeline-parallel-size "
-            f"{args.pipeline_parallel_size}) do not split evenly over {args.nnodes} nodes"
-        )
+    from tokenmill.engine.parallel_check import check_parallel_shape  # the engine's own rule, torch-free
+
+    try:
+        check_parallel_shape(args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes)
+    except ValueError as e:
+        parser.error(str(e))
     if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"node rank {args.node_rank} is outside the {args.nnodes} nodes of this replica")
     if args.headless and (args.node_rank == 0 or not args.leader_address):
