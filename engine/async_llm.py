@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.core_client import EngineDeadError, EngineInfo, RejectedRequest, StepOutputs
-from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.outputs import EngineCoreRequest, RequestOutput
+from tokenmill.engine.output_processor import OutputProcessor, merge_delta
+from tokenmill.engine.outputs import EngineCoreRequest, RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.tokenizer_pool import TokenizerPool
 
@@ -167,9 +167,11 @@ class AsyncLLM:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Cumulative RequestOutputs of one admitted request, the last with finished=True. Closing or
-        cancelling the generator early aborts the request in the core."""
+        """RequestOutputs of one admitted request (cumulative, deltas or only the final one, per
+        output_kind), the last with finished=True. Closing or cancelling the generator early aborts
+        the request in the core."""
         done = False
         try:
             if self.dead_error is not None:
@@ -185,7 +187,9 @@ class AsyncLLM:
             if not self._states:  # the core was idle: its stall clock starts now, not at its last step
                 self._last_progress = time.monotonic()
             self._states[request_id] = state
-            self.processor.add_request(request_id, prompt, prompt_token_ids, params, state.arrival_time)
+            self.processor.add_request(
+                request_id, prompt, prompt_token_ids, params, state.arrival_time, output_kind
+            )
             self._preprocessing.discard(request_id)
             self.client.add_request(
                 EngineCoreRequest(
@@ -194,9 +198,12 @@ class AsyncLLM:
             )
             while True:
                 item = await state.queue.get()
-                # Outputs are cumulative: a consumer that fell behind needs only the newest one.
+                # A consumer that fell behind needs only the newest cumulative output, or the deltas
+                # merged into one.
                 while not state.queue.empty() and not isinstance(item, BaseException):
-                    item = state.queue.get_nowait()
+                    nxt = state.queue.get_nowait()
+                    delta = output_kind == RequestOutputKind.DELTA and not isinstance(nxt, BaseException)
+                    item = merge_delta(item, nxt) if delta else nxt
                 if isinstance(item, BaseException):
                     done = True  # nothing of it is left in the core
                     raise item
@@ -300,7 +307,7 @@ class AsyncLLM:
                     self.metrics.record_finished(
                         now - state.arrival_time,
                         state.num_prompt_tokens,
-                        sum(len(c.token_ids) for c in ro.outputs),
+                        ro.metrics["num_generation_tokens"],
                         [c.finish_reason or "abort" for c in ro.outputs],
                     )
         if self.metrics is not None:

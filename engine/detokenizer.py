@@ -40,8 +40,14 @@ class IncrementalDetokenizer:
         self.text = self.text[: pos + len(s)] if self.include_stop else self.text[:pos]
         return s
 
-    def output_text(self, finished: bool) -> str:
-        """Text safe to show: everything once finished, else all but a possible stop-string prefix."""
+    def visible_len(self, finished: bool) -> int:
+        """How much of the text is safe to show: all once finished, else all but a possible stop-string
+        prefix."""
         if finished or self.max_stop_len <= 1:
-            return self.text
-        return self.text[: max(0, len(self.text) - (self.max_stop_len - 1))]
+            return len(self.text)
+        return max(0, len(self.text) - (self.max_stop_len - 1))
+
+    def output_text(self, finished: bool) -> str:
+        """Text safe to show (see visible_len)."""
+        end = self.visible_len(finished)
+        return self.text if end == len(self.text) else self.text[:end]

@@ -1,5 +1,6 @@
 """Data crossing the engine-core boundary (msgpack-friendly) and the user-facing outputs."""
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -7,6 +8,16 @@ from tokenmill.engine.sampling_params import SamplingParams
 
 # One sampled token's logprobs: (sampled token's logprob, [(token_id, logprob), ...] top-k, best first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names). CUMULATIVE copies everything so far
+    on every step (O(L) per step, O(L^2) per request); a streaming handler needs only DELTA, and a
+    non-streamed one only the FINAL_ONLY output, which also never wakes its task before the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ from tokenmill.engine.entrypoints.tool_parser import (
     parse_tool_calls,
 )
 from tokenmill.engine.entrypoints.tool_request import ToolPlan, history_as_text, plan_tools
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -122,7 +122,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     try:
         prompt, prompt_ids = await _prepare(state, req, engine, plan)
         gen = engine.generate(
-            request_id, prompt, prompt_ids, plan.params, arrival, req.priority or 0, cache_salt=req.cache_salt
+            request_id, prompt, prompt_ids, plan.params, arrival, req.priority or 0, cache_salt=req.cache_salt,
+            # a full response needs only the final output (streams stay cumulative: tool parsing reads the text)
+            output_kind=RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
         )
     except BaseException:
         engine.release([request_id])

@@ -28,7 +28,7 @@ from tokenmill.engine.entrypoints.request_params import completion_sampling_para
 from tokenmill.engine.entrypoints.server_state import ServerState
 from tokenmill.engine.entrypoints.streaming import SSE_DONE, merge_async_iterators, sse
 from tokenmill.engine.entrypoints.structured_request import check_compiles, request_structured_outputs
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -110,7 +110,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     try:
         prepared = await _prepare(state, req, engine, prompts, base_params)
         gens = [
-            engine.generate(rid, text, token_ids, params, arrival, req.priority or 0, cache_salt=req.cache_salt)
+            engine.generate(
+                rid, text, token_ids, params, arrival, req.priority or 0, cache_salt=req.cache_salt,
+                # a stream sends what is new each step; a full response needs only the final output
+                output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            )
             for rid, (text, token_ids, params) in zip(ids, prepared, strict=True)
         ]
         prompt_texts = [text if req.echo else "" for text, _, _ in prepared]
@@ -185,7 +189,7 @@ async def _stream(
     created = int(time.time())
     n = params.n
     total = len(gens) * n
-    sent_text, sent_tokens = [""] * total, [0] * total
+    sent_chars = [0] * total  # text already streamed per choice (the outputs are deltas)
     started, finished = [False] * total, [False] * total
     finals: list[RequestOutput | None] = [None] * len(gens)
     try:
@@ -197,32 +201,28 @@ async def _stream(
                     continue
                 prefix = "" if started[i] else prompt_texts[p]  # echo: the prompt leads the first chunk
                 started[i] = True
-                delta = c.text[len(sent_text[i]) :]
                 done = c.finish_reason is not None
                 new_lp = None
-                if (
-                    params.logprobs is not None
-                    and c.logprobs is not None
-                    and len(c.token_ids) > sent_tokens[i]
-                ):
+                if params.logprobs is not None and c.logprobs is not None and c.token_ids:
                     new_lp = completion_logprobs(
-                        texts,
-                        c.token_ids[sent_tokens[i] :],
-                        c.logprobs[sent_tokens[i] :],
-                        len(prompt_texts[p]) + len(sent_text[i]),
+                        texts, c.token_ids, c.logprobs, len(prompt_texts[p]) + sent_chars[i]
                     )
-                if prefix or delta or new_lp is not None or done:
+                if prefix or c.text or new_lp is not None or done:
                     yield sse(CompletionStreamResponse(
                         id=request_id, created=created, model=state.model_name,
                         choices=[CompletionResponseChoice(
-                            index=i, text=prefix + delta, logprobs=new_lp, finish_reason=c.finish_reason,
+                            index=i, text=prefix + c.text, logprobs=new_lp, finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason if done else None,
                         )],
                     ))  # fmt: skip
-                sent_text[i], sent_tokens[i], finished[i] = c.text, len(c.token_ids), done
+                sent_chars[i] += len(c.text)
+                finished[i] = done
         if include_usage:
+            prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
+            completion = sum(f.metrics.get("num_generation_tokens", 0) for f in finals if f is not None)
+            usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
             yield sse(CompletionStreamResponse(
-                id=request_id, created=created, model=state.model_name, choices=[], usage=_usage(finals)
+                id=request_id, created=created, model=state.model_name, choices=[], usage=usage
             ))  # fmt: skip
     except Exception as e:
         yield sse(engine_error(e).body())
