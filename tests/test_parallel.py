@@ -4,6 +4,7 @@ Each parallel engine starts real worker processes (gloo on loopback). Tiny rando
 """
 
 import pathlib
+import threading
 
 import numpy as np
 import pytest
@@ -16,8 +17,11 @@ from tokenmill.engine.model_config import load_model_config
 from tokenmill.engine.outputs import EngineCoreRequest
 from tokenmill.engine.parallel_state import kv_head_range, layer_range, validate_parallel, vocab_shard
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.shm_broadcast import ShmRing
 from tokenmill.engine.step_input import StepInput, pack, unpack
 
+# A rank's first forward (C++ kernels loading) can take a minute on a loaded 2-core machine.
+COLLECTIVE_TIMEOUT_S = 300
 PROMPTS = [
     [1, 5, 9, 200, 300, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30],
     [1, 5, 9, 200, 300, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 40, 41],  # a 16-token prefix hit
@@ -30,29 +34,48 @@ def tiny(tmp_path_factory) -> pathlib.Path:
     return make_tiny_model(tmp_path_factory.mktemp("tp"), "qwen2", vocab_size=1000)  # qkv biases too
 
 
-def _generate(model: pathlib.Path, tp: int, pp: int, num_kv_blocks: int = 64) -> tuple[list, dict]:
+LONG_PROMPT = [(7 * i) % 990 + 3 for i in range(30)]  # longer than a step's 24 tokens: chunked prefill
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _generate(model: pathlib.Path, tp: int, pp: int) -> tuple[dict, dict, dict]:
+    """One scenario through every feature the scheduler has: a greedy request with top-2 logprobs, a
+    prefix hit, a seeded n=2 sampled request, a chunked prefill aborted after 3 tokens, and a pool of 8
+    blocks of 16 that cannot hold every sequence (43 tokens, 3 blocks each): preemptions.
+    Returns tokens and logprobs per (request, choice), and the engine's stats."""
     config = EngineConfig(
         model=str(model), dtype="float32", device="cpu", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        num_kv_blocks=num_kv_blocks, max_model_len=64, max_num_batched_tokens=24,
+        num_kv_blocks=8, max_model_len=64, max_num_batched_tokens=24, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
     )  # fmt: skip
     core = EngineCore(config)  # the core alone: prompts are token ids, no tokenizer needed
+    later = [
+        ("1", PROMPTS[1], SamplingParams(max_tokens=24, temperature=1.0, seed=7, n=2, ignore_eos=True)),
+        ("2", PROMPTS[2], GREEDY),
+        ("3", LONG_PROMPT, GREEDY),
+    ]
+    tokens: dict[tuple[str, int], list[int]] = {}
+    logprobs: dict[tuple[str, int], list] = {}
     try:
-        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-        core.add_request(_request("0", PROMPTS[0], params))
-        steps = 0
+        core.add_request(_request("0", PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                                  logprobs=2)))  # fmt: skip
+        steps, aborted = 0, False
         while core.has_unfinished_requests():
             outputs, _ = core.step()
             steps += 1
             if steps == 1:  # the first prompt's full block is cached now: the second one hits it
-                for i, ids in enumerate(PROMPTS[1:], start=1):
-                    core.add_request(_request(str(i), ids, params))
+                for rid, ids, params in later:
+                    core.add_request(_request(rid, ids, params))
             for o in outputs:
-                tokens[o.request_id] += o.new_token_ids
+                tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+                if o.new_logprobs is not None:
+                    logprobs.setdefault((o.request_id, o.index), []).extend(o.new_logprobs)
+            if len(tokens.get(("3", 0), [])) == 3 and not aborted:  # mid-decode, after its chunked prefill
+                core.abort_requests(["3"])
+                aborted = True
         stats = core.stats()
     finally:
         core.shutdown()
-    return [tokens[str(i)] for i in range(len(PROMPTS))], stats
+    return tokens, logprobs, stats
 
 
 def _request(rid: str, ids: list[int], params: SamplingParams) -> EngineCoreRequest:
@@ -65,19 +88,31 @@ def reference(tiny):
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
-def test_parallel_greedy_tokens_equal_one_rank(tiny, reference, tp, pp):
-    ref_tokens, ref_stats = reference
-    # 8 blocks of 16 for 3 sequences growing to 43 tokens (3 blocks each): they cannot all run at once.
-    tokens, stats = _generate(tiny, tp, pp, num_kv_blocks=8)
-    assert tokens == ref_tokens
-    assert stats["kv_blocks_in_use"] == 0
-    assert ref_stats["kv_blocks_in_use"] == 0
+def test_parallel_tokens_equal_one_rank_through_every_scheduler_feature(tiny, reference, tp, pp):
+    ref_tokens, ref_logprobs, ref_stats = reference
+    tokens, logprobs, stats = _generate(tiny, tp, pp)
+    assert tokens == ref_tokens  # greedy, seeded n=2 sampling, and the aborted request's tokens so far
+    for key, ref in ref_logprobs.items():  # the sampled token's logprob and the top 2 (ids, values)
+        got = logprobs[key]
+        assert len(got) == len(ref) == 24
+        for (lp, top), (ref_lp, ref_top) in zip(got, ref, strict=True):
+            assert lp == pytest.approx(ref_lp, abs=1e-4)
+            assert [t for t, _ in top] == [t for t, _ in ref_top]
+            assert [v for _, v in top] == pytest.approx([v for _, v in ref_top], abs=1e-4)
+    for s in (stats, ref_stats):
+        assert s["kv_blocks_in_use"] == 0
+        assert s["prefix_cache_hit_tokens"] >= 16
+        assert s["num_preemptions"] > 0
+    assert stats["num_preemptions"] == ref_stats["num_preemptions"]
 
 
 def test_reference_run_is_not_trivial(reference):
-    tokens, _ = reference
-    assert all(len(t) == 24 for t in tokens)
-    assert len({tuple(t) for t in tokens}) == len(tokens)
+    tokens, logprobs, _ = reference
+    done = [t for key, t in tokens.items() if key[0] != "3"]
+    assert len(done) == 4 and all(len(t) == 24 for t in done)  # requests 0, 1 (two choices), 2
+    assert len({tuple(t) for t in done}) == len(done)  # the two seeded choices differ too
+    assert len(tokens[("3", 0)]) == 3  # aborted after its prefill, mid-decode
+    assert list(logprobs) == [("0", 0)]
 
 
 # ---- pieces, no processes ------------------------------------------------------------------------
@@ -91,6 +126,47 @@ def test_bad_splits_are_refused_with_the_numbers(bundled_model_dir):
         with pytest.raises(ValueError, match=r"needs 3 GPUs per node .* but \d+ are present"):
             validate_parallel(EngineConfig(tensor_parallel_size=3), mc, "cuda")
     validate_parallel(EngineConfig(tensor_parallel_size=3, pipeline_parallel_size=2), mc, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 does not divide the model's 9 attention heads; "
+                                          "use one of [1, 3]"),
+        (["--pipeline-parallel-size", "31"], "pipeline_parallel_size=31 is more than the model's 30 layers"),
+        (["--tensor-parallel-size", "3", "--pipeline-parallel-size", "30", "--num-kv-blocks", "3"],
+         "the KV cache holds 3 blocks"),
+    ],
+)  # fmt: skip
+def test_serve_check_refuses_the_splits_the_engine_refuses(bundled_model_dir, capsys, argv, message):
+    from tokenmill.engine.entrypoints import serve_cli
+
+    assert serve_cli.main(["--check", "--model", str(bundled_model_dir), "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tokenmill serve --check: error: ") and message in err[-1], err
+
+
+def test_serve_check_sizes_the_pool_per_rank(bundled_model_dir, capsys):
+    from tokenmill.engine.entrypoints import serve_cli
+
+    argv = ["--check", "--model", str(bundled_model_dir), "--device", "cpu", "--dtype", "float32", "--max-model-len", "256"]
+    budget = kv_memory.kv_bytes_per_token(30, 3, 64, "float32", 3) * 16 * 100  # 100 blocks per rank at T=3
+    assert serve_cli.main([*argv, "--tensor-parallel-size", "3", "--kv-cache-memory", str(budget)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "KV pool 100 blocks x 16 tokens = 1600 tokens per rank, tensor_parallel_size 3 x pipeline" in line
+    assert serve_cli.main([*argv, "--kv-cache-memory", str(budget)]) == 0  # one rank holds 3 heads: a third
+    assert "KV pool 33 blocks" in capsys.readouterr().out
+
+
+def test_serve_refuses_ranks_that_do_not_split_over_the_nodes_while_parsing(capsys):
+    from tokenmill.engine.entrypoints import serve_cli
+
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main(["--check", "--tensor-parallel-size", "3", "--nnodes", "2"])
+    assert e.value.code == 2
+    assert "3 ranks (tensor_parallel_size=3 x pipeline_parallel_size=1) do not split evenly over 2 nodes" in (
+        capsys.readouterr().err
+    )
 
 
 def test_engine_refuses_a_bad_split_before_loading_weights(tmp_path):
@@ -136,3 +212,39 @@ def test_step_input_round_trips_through_one_array():
     for name in StepInput.__slots__:
         a, b = getattr(step, name), getattr(back, name)
         assert np.array_equal(a, b) and np.asarray(a).dtype == np.asarray(b).dtype, name
+
+
+def test_shm_ring_carries_every_message_in_order_to_every_reader():
+    ring = ShmRing.create(num_readers=2, chunk_bytes=8 * 64)
+    readers = [ShmRing.attach(ring.path, 2, 8 * 64, i) for i in range(2)]  # separate mappings of the file
+    ring.unlink()
+    messages = [np.arange(i % 50 + 1, dtype=np.int64) * i for i in range(300)]
+    got: list[list[np.ndarray]] = [[], []]
+
+    def read(i: int) -> None:
+        for _ in messages:
+            got[i].append(readers[i].read().view(np.int64))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for m in messages:  # the writer waits for both readers whenever it laps them
+        ring.write(m, timeout_s=60)
+    for t in threads:
+        t.join(60)
+    for i in range(2):
+        assert len(got[i]) == len(messages)
+        assert all(np.array_equal(a, b) for a, b in zip(got[i], messages, strict=True))
+
+
+def test_shm_ring_names_the_rank_that_does_not_read_and_refuses_what_does_not_fit():
+    ring = ShmRing.create(num_readers=2, chunk_bytes=64)
+    reader0 = ShmRing.attach(ring.path, 2, 64, 0)
+    ring.unlink()
+    for n in range(2):  # both chunks filled; reader 0 (rank 1) takes them, reader 1 (rank 2) never does
+        ring.write(np.array([n], dtype=np.int64), timeout_s=1)
+        reader0.read()
+    with pytest.raises(TimeoutError, match=r"parallel ranks \[2\] did not take step message 1 within 0 s"):
+        ring.write(np.array([2], dtype=np.int64), timeout_s=0.2)
+    with pytest.raises(ValueError, match="a step of 72 bytes does not fit the 64-byte ring chunk"):
+        ring.write(np.zeros(9, dtype=np.int64), timeout_s=1)
