@@ -212,6 +212,11 @@ def test_vllm_extras_on_chat_and_completions(server, client):
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )  # fmt: skip
     assert r.choices[0].text in ("yes", "no")
+    streamed = client.completions.create(
+        model=MODEL, prompt="The answer is", max_tokens=10, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
     r = client.chat.completions.create(
         model=MODEL,
         messages=ASK,
