@@ -42,8 +42,8 @@ clean: cluster-down
 # ---- e2e: a real local control plane (see docs/e2e.md) ----
 # The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
 # later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
-.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools prometheus chart-crds
-e2e-deps: cluster-tools gitops-tools lws-tools prometheus
+.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools prometheus chart-crds images image-tools
+e2e-deps: cluster-tools gitops-tools lws-tools prometheus images
 
 # Only the end-to-end suite (make test runs it too).
 e2e: $(STAMP) e2e-deps
@@ -64,6 +64,18 @@ prometheus:
 	@command -v prometheus >/dev/null || { \
 	  echo "installing Debian's prometheus (needed by the autoscaling e2e test)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+
+# The engine and operator images, built here with no registry (docs/images.md): a Debian base by
+# mmdebstrap, then docker/*.Dockerfile with podman. Cached by a hash of their inputs: a second run does
+# nothing. Debian's podman 4.3 runs containers here with runc and cgroupfs (images/containers.conf).
+images: image-tools $(STAMP)
+	bash images/build.sh >/dev/null
+
+image-tools:
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null || { \
+	  echo "installing Debian's podman, runc and mmdebstrap (needed by make images and e2e/test_images*.py)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    podman runc mmdebstrap uidmap; }
 
 cluster-up: $(STAMP) cluster-tools
 	$(VENV)/bin/python e2e/cluster.py up

@@ -43,6 +43,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import container_runner
 from cluster import REPO
 
 RUNNER_LABEL = "e2e.tokenmill.dev/pod-runner"
@@ -451,7 +452,11 @@ class PodWorker(threading.Thread):
     def resolve(self, run: ContainerRun) -> None:
         """The container as this runner's local process: container_spec() with DEVIATIONS applied."""
         run.container = self.container_spec(run.spec)
-        run.argv, run.env, run.cwd = local_process(run.container, self._dns_names(run.container.env), self.dir)
+        dns = self._dns_names(run.container.env)
+        if container_runner.wanted(self.pod):  # container mode: `podman run` of the pod's image instead
+            run.argv, run.env, run.cwd = container_runner.resolved(self.pod, run.spec, run.container, dns, self.dir)
+            return
+        run.argv, run.env, run.cwd = local_process(run.container, dns, self.dir)
 
     def _dns_names(self, env: dict[str, str]) -> dict[str, str]:
         """Env values that are a pod's DNS name (HOSTNAME.SUBDOMAIN.NAMESPACE[.svc[.cluster.local]]) -> that

