@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import container_runner
 import httpx
@@ -31,6 +32,43 @@ ENGINE_START_S = 900  # model load, and a cold build of the C++ kernels for a ne
 @pytest.fixture(scope="module")
 def images() -> dict[str, str]:
     return container_runner.build_images()
+
+
+def test_run_argv_carries_the_pod_spec(tmp_path) -> None:
+    """Unit test (no podman, no cluster): the restricted engine pod's spec becomes these podman flags."""
+    from pod_runner import PodWorker
+    from test_pod_runner import _FakeApi
+
+    c = {"name": "engine", "image": "tokenmill/engine:0.1.0", "command": ["tokenmill", "serve"],
+         "args": ["--host", "0.0.0.0", "--port", "8000"], "env": [{"name": "HOME", "value": "/cache"}],
+         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                             "readOnlyRootFilesystem": True, "runAsNonRoot": True},
+         "volumeMounts": [{"name": "cache", "mountPath": "/cache"}, {"name": "dshm", "mountPath": "/dev/shm"},
+                          {"name": "cfg", "mountPath": "/etc/cfg", "readOnly": True}]}
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "labels": {RUNTIME_LABEL: "podman"}},
+           "spec": {"containers": [c], "nodeName": "n1", "terminationGracePeriodSeconds": 7,
+                    "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": os.getgid(),
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "cfg", "emptyDir": {}},
+                                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]},
+           "status": {"podIP": "127.244.0.9"}}
+    assert container_runner.wanted(pod)
+    w = PodWorker(_FakeApi({}), pod, tmp_path / "pod", tmp_path / "claims")  # type: ignore[arg-type]
+    w._prepare_volumes()
+    pc = w.container_spec(c)
+    argv = container_runner.run_argv(pod, c, pc.mounts, pc.env, pc.argv, 2, "localhost/tokenmill/engine:0.1.0")
+    flags = " ".join(argv)
+    for want in ("--user 1000:1000", f"--group-add {os.getgid()}", "--read-only --read-only-tmpfs=false",
+                 "--security-opt no-new-privileges", "--cap-drop ALL", "--network=host", "--pull=never",
+                 f"--shm-size={2**30}", "--env HOME=/cache", "--stop-timeout 7",
+                 f"--volume {tmp_path}/pod/volumes/cache:/cache ", f"--volume {tmp_path}/pod/volumes/cfg:/etc/cfg:ro"):
+        assert want in flags + " ", want
+    assert "seccomp=unconfined" not in flags and "/dev/shm" not in flags
+    image_at = argv.index("localhost/tokenmill/engine:0.1.0")
+    assert argv[argv.index("--entrypoint") + 1] == '["tokenmill", "serve"]'
+    assert argv[image_at + 1:] == ["--host", "0.0.0.0", "--port", "8000"]  # resolved() applies the deviations
+    cache = tmp_path / "pod" / "volumes" / "cache"
+    assert cache.stat().st_gid == os.getgid() and cache.stat().st_mode & 0o2070 == 0o2070  # the fsGroup rule
 
 
 def in_podman(isvc: dict) -> dict:
