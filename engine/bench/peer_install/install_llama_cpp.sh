@@ -25,7 +25,9 @@ for f in json.load(sys.stdin)['files']:
   echo "$SHA  $SDIST.part" | sha256sum -c - >&2
   mv "$SDIST.part" "$SDIST"
 fi
-tar xzf "$SDIST"
+# Extract once: extracting again would touch every source and make ninja rebuild all of it, so an
+# interrupted build resumes where it stopped.
+[ -f .extracted ] || { tar xzf "$SDIST" && touch .extracted; }
 SRC=""
 for f in $(find "$DEST/src" -maxdepth 3 -name CMakeLists.txt | sort); do
   if [ -d "$(dirname "$f")/ggml" ]; then SRC="$(dirname "$f")"; break; fi
