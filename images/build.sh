@@ -39,6 +39,12 @@ for tool in podman mmdebstrap; do
     command -v "$tool" >/dev/null || die "$tool is not installed (make image-tools installs Debian's podman, runc, mmdebstrap)"
 done
 
+# One build at a time on a machine (several checkouts or CI runs share podman's storage): a concurrent
+# `podman image prune` would remove another build's intermediate images.
+mkdir -p "$CACHE/images"
+exec 9>"$CACHE/images/build.lock"
+flock 9
+
 packages() { grep -v '^\s*#' "$HERE/base-packages.txt" | grep -v '^\s*$' | paste -sd, -; }
 
 # A hash over file contents and names (sorted), so a change to any input rebuilds that image only.
