@@ -34,7 +34,7 @@ WATCHDOG_POLL_S = 0.2
 # After a rank died, the main thread gets an interrupt; if it sits in a C call that never returns
 # (a collective), the process exits by itself after this long.
 EXIT_GRACE_S = 3.0
-SHUTDOWN_WAIT_S = 10.0
+SHUTDOWN_WAIT_S = 4.0  # below the API process's 5 s wait for the engine core (core_client.py)
 PROC_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped",
                "Z": "exited"}  # fmt: skip
 

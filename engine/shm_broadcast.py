@@ -11,7 +11,7 @@ reader; then, per chunk, an int64 length and the payload.
 
 Each of these int64 stores is aligned, hence atomic; a memory fence (a lock's acquire and release,
 as vLLM does) between the payload and the flag keeps a reader from seeing the flag before the data on
-weakly ordered CPUs. No system call on the hot path: a waiting reader spins, yielding its core, for
+weakly ordered CPUs. No socket on the hot path: a waiting reader polls, yielding its core, for
 SPIN_S, then sleeps in steps growing to MAX_SLEEP_S (so an idle engine costs about nothing and the
 first step after an idle spell waits at most MAX_SLEEP_S more). Ranks on other nodes cannot map this
 file: step_input.py sends them the step over gloo.
