@@ -10,7 +10,7 @@ STAMP := $(VENV)/.tokenmill-installed
 export OMP_NUM_THREADS ?= 1
 export UV_LINK_MODE ?= copy
 
-.PHONY: run test lint venv cluster-up cluster-down gpu-check bench clean
+.PHONY: run test lint venv cluster-up cluster-down gpu-check bench clean soak
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ run: $(STAMP)
 test: $(STAMP) e2e-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest
+
+# The soak of tests/test_server_soak.py, longer than the suite's (SOAK_SECONDS=45); docs/reliability.md.
+SOAK_SECONDS ?= 600
+soak: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(VENV)/bin/python -m pytest tests/test_server_soak.py -q -s --timeout=0
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
