@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 
 from tokenmill.engine import kv_memory as kvm
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.parallel_check import tp_fits_model
 from tokenmill.operator.catalog import GPU_TYPES, GPUType, ModelProfile
 
 # Tensor parallel stays inside one node: eight GPUs is the largest node shape in the catalog's clouds.
@@ -79,13 +80,14 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def valid_tensor_parallel_sizes(profile: ModelProfile, max_size: int = MAX_TENSOR_PARALLEL_SIZE) -> list[int]:
-    """Powers of two up to one node that split the attention heads evenly; KV heads are either split
-    evenly or replicated (TP a multiple of the KV heads), as in vLLM."""
+    """Powers of two up to one node that the engine can split the model by: its own rule
+    (parallel_check.tp_fits_model: heads and MLP width divide, KV heads split or replicated), so the
+    operator never plans a TP the engine refuses."""
     sizes = []
     tp = 1
     while tp <= min(max_size, MAX_TENSOR_PARALLEL_SIZE):
-        kv = profile.num_key_value_heads
-        if profile.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0):
+        p = profile
+        if tp_fits_model(p.num_attention_heads, p.num_key_value_heads, p.intermediate_size, tp):
             sizes.append(tp)
         tp *= 2
     return sizes
