@@ -15,7 +15,6 @@ import pytest
 from cluster import (
     BUILD_SCRIPT,
     DEFAULT_NODES,
-    POD_CIDR,
     Cluster,
     ClusterError,
     ensure_tools,
@@ -91,8 +90,12 @@ def test_deployment_with_gpu_limits_rolls_out_and_respects_capacity(cluster: Clu
         time.sleep(0.5)
     assert {p["spec"]["nodeName"] for p in running} == {l4.name}
     # Pod IPs come from kwok's loopback CIDR, so nothing that connects to a pod leaves the machine.
-    assert all(ipaddress.ip_address(p["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR) for p in running)
-    assert ipaddress.ip_network(POD_CIDR).subnet_of(ipaddress.ip_network("127.0.0.0/8"))
+    # Each cluster draws its own /20 of 127.200.0.0-127.254.255.255 (clusters of several checkouts on one
+    # machine must not hand out the same IP): every pod of this cluster lies in one such /20.
+    nets = {ipaddress.ip_network(f"{p['status']['podIP']}/20", strict=False) for p in running}
+    assert len(nets) == 1, nets
+    net = nets.pop()
+    assert net.subnet_of(ipaddress.ip_network("127.0.0.0/8")) and 200 <= net.network_address.packed[1] <= 254
     assert "nvidia.com/gpu" in unsched[0]["message"]
 
 
