@@ -22,6 +22,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_input import max_packed_len
 from tokenmill.engine.structured_output_manager import StructuredOutputManager, accept_token
+from tokenmill.kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,10 @@ class EngineCore:
         self.runner = make_runner(model, mc, config, num_blocks, max_model_len, self.dtype, self.device, par)
         self.structured_outputs = StructuredOutputManager(self.model_path, mc.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
+        if self.device.type == "cpu":
+            # Build (or load) the C++ kernels now, while /health still says loading: built lazily, the
+            # first request waited for the compile (15-45 s) and a client's timeout cut it.
+            cpu_kernels.load()
         self.capacity = EngineCapacity(
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
