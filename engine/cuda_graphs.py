@@ -5,11 +5,25 @@ batches. Each captured batch size replays the whole forward from static input bu
 up to the nearest captured size (padding rows write nowhere: slot -1, and attend to one token), and
 batches larger than the largest size run eagerly.
 
-Written without a GPU to test on (none was available in the session that wrote it): capture failures are
-caught and logged, and the engine then runs eagerly.
+Under tensor parallel (pipeline parallel stays eager) every rank captures its own graphs, and the
+row-parallel all-reduces (torch.distributed over NCCL) are captured into them: NCCL operations can be
+captured from NCCL 2.9 on, and PyTorch's ProcessGroupNCCL supports capture once a warm-up collective
+has created the communicator (its own tests capture `all_reduce` this way). Replays then line up
+across ranks because every rank replays the same size for the same step (rank 0 broadcasts the step,
+every rank pads it to the same captured size). Capture must stay collectively consistent, so
+`capture_all` (a) checks that every rank has the same size list, (b) captures the sizes in the same
+order everywhere and (c) after each size asks every rank, over the CPU (gloo) control group, whether it
+succeeded, before any rank starts the next size's warm-up forward (whose all-reduces would otherwise
+wait for a rank that gave up): one failure anywhere sends every rank back to eager decode.
+
+Written without a GPU to test on (none was available in the sessions that wrote it, TP or not): capture
+failures are caught and logged, and the engine then runs eagerly. tests/test_parallel.py proves the
+agreement on CPU (gloo, a stand-in capture that fails on one rank); kernels/gpu_check_tp.py checks TP=2
+graphs against eager tokens the day two GPUs are lent.
 """
 
 import logging
+from collections.abc import Callable
 
 import torch
 from tokenmill.engine.attention import AttentionMetadata
@@ -17,6 +31,38 @@ from tokenmill.engine.attention import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def single_rank(ok: bool) -> bool:
+    return ok
+
+
+def capture_all(
+    sizes: list[int],
+    capture_one: Callable[[int], None],
+    all_ok: Callable[[bool], bool] = single_rank,
+    same_everywhere: Callable[[list[int]], bool] = lambda sizes: True,
+) -> list[int]:
+    """Capture each size, largest first; the sizes every rank captured, or [] (all ranks eager).
+
+    all_ok(ok) returns True only when every rank passed True (a collective: every rank calls it once
+    per size, in the same order); same_everywhere(sizes) only when every rank has the same list."""
+    order = sorted(sizes, reverse=True)  # largest first, so smaller graphs reuse its memory pool
+    if not same_everywhere(order):
+        logger.warning("CUDA graph sizes differ between ranks (%s here); decode steps run eagerly", order)
+        return []
+    for bs in order:
+        try:
+            capture_one(bs)
+            ok = True
+        except Exception as e:  # capture is an optimisation: never let it stop the engine
+            logger.warning("CUDA graph capture failed at batch size %d (%s: %s)", bs, type(e).__name__, e)
+            ok = False
+        if not all_ok(ok):  # every rank, before any starts the next size's warm-up collectives
+            logger.warning("CUDA graph capture failed on %s at batch size %d; decode steps run eagerly",
+                           "this rank" if not ok else "another rank", bs)  # fmt: skip
+            return []
+    return order
 
 
 class CUDAGraphRunner:
@@ -42,25 +88,33 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.max_seq_len = max_model_len
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None  # the first (largest) graph's memory pool, shared by the smaller ones
 
-    def capture(self) -> None:
-        pool = None
-        try:
-            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-                md = self._metadata(bs)
-                args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
-                self.model(*args)  # warm up: Triton compiles outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(*args)
-                pool = graph.pool()
-                self.graphs[bs] = (graph, out)
+    def capture(
+        self,
+        all_ok: Callable[[bool], bool] = single_rank,
+        same_everywhere: Callable[[list[int]], bool] = lambda sizes: True,
+    ) -> None:
+        """Capture every size (under TP: with the other ranks, see capture_all)."""
+        if capture_all(self.sizes, self._capture_one, all_ok, same_everywhere):
             torch.cuda.synchronize()
             logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
-        except Exception as e:  # capture is an optimisation: never let it stop the engine
-            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
+        else:
             self.graphs.clear()
+            self._pool = None
+
+    def _capture_one(self, bs: int) -> None:
+        md = self._metadata(bs)
+        args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
+        # Warm up eagerly: Triton compiles, and under TP the first all-reduce creates the NCCL
+        # communicator, neither of which can happen inside a capture.
+        self.model(*args)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model(*args)
+        self._pool = graph.pool()
+        self.graphs[bs] = (graph, out)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(

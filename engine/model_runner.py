@@ -7,7 +7,7 @@ from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.cuda_graphs import CUDAGraphRunner
 from tokenmill.engine.layers import can_prepack
 from tokenmill.engine.outputs import TokenLogprobs
-from tokenmill.engine.parallel_state import SINGLE, ParallelState
+from tokenmill.engine.parallel_state import SINGLE, ParallelState, all_ranks_ok, same_on_all_ranks
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.step_input import StepInput, broadcast_step
@@ -52,12 +52,13 @@ class ModelRunner:
         self.block_table_buf = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self.sampler = Sampler(vocab_size, device)
         self.graphs: CUDAGraphRunner | None = None
-        # Graphs per rank under TP are not wired yet (collectives inside a captured graph): eager for now.
-        if device.type == "cuda" and not enforce_eager and par.world_size == 1:
+        # Graphs per rank under TP (every rank captures the same sizes, or all stay eager: cuda_graphs.py);
+        # pipeline parallel stays eager (its stage-to-stage sends are not captured; docs/engine.md).
+        if device.type == "cuda" and not enforce_eager and par.pp_size == 1:
             self.graphs = CUDAGraphRunner(
                 model, self.kv_caches, max_num_seqs, self.max_blocks_per_seq, max_model_len, device
             )
-            self.graphs.capture()
+            self.graphs.capture(lambda ok: all_ranks_ok(ok, par), lambda sizes: same_on_all_ranks(sizes, par))
 
     @torch.inference_mode()
     def execute(

@@ -160,3 +160,28 @@ def tp_gather_vocab(local_logits: torch.Tensor, par: ParallelState, vocab_size: 
     parts = [torch.empty_like(local_logits) for _ in range(par.tp_size)]
     dist.all_gather(parts, local_logits.contiguous(), group=par.tp_group)
     return torch.cat(parts, dim=1)[:, :vocab_size]
+
+
+def all_ranks_ok(ok: bool, par: ParallelState) -> bool:
+    """True when every rank passed True. Over the CPU (gloo) control group, so a rank that failed on
+    its device can still answer; a collective: every rank calls it the same number of times."""
+    if par.world_size == 1:
+        return ok
+    t = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=par.control_group)
+    return bool(t.item())
+
+
+def same_on_all_ranks(values: list[int], par: ParallelState, max_len: int = 64) -> bool:
+    """True when every rank passed the same list (of at most max_len non-negative ints)."""
+    if par.world_size == 1:
+        return True
+    if len(values) > max_len:
+        raise ValueError(f"same_on_all_ranks takes at most {max_len} values, got {len(values)}")
+    t = torch.full((max_len + 1,), -1, dtype=torch.int64)
+    t[0] = len(values)
+    t[1 : len(values) + 1] = torch.tensor(values, dtype=torch.int64)
+    low, high = t.clone(), t.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=par.control_group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=par.control_group)
+    return bool(torch.equal(low, high))

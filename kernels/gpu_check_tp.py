@@ -1,8 +1,12 @@
 """The tensor-parallel part of `python -m tokenmill.kernels.gpu_check`: needs 2 or more CUDA GPUs.
 
-1. NCCL all-reduce bus bandwidth between 2 GPUs (bf16, 256 MiB, as nccl-tests reports it).
-2. TP=2 greedy parity: the bundled model in fp32 on 2 GPUs gives the tokens it gives on one.
-Fewer than 2 GPUs: prints why and skips (counts as passed).
+1. NCCL all-reduce bus bandwidth between 2 GPUs (bf16, 256 MiB, as nccl-tests reports it), and the
+   time of a decode-sized all-reduce (one token's hidden state, batch 1 and 64) eager and replayed from
+   a CUDA graph (what TP decode steps do since graphs are captured per rank).
+2. TP=2 greedy parity: the bundled model in fp32 on 2 GPUs, eager and with CUDA graphs, gives the
+   tokens it gives on one GPU eager.
+Fewer than 2 GPUs: prints why and skips (counts as passed). Never yet run: no multi-GPU machine has
+been lent to this project.
 """
 
 import datetime
@@ -14,6 +18,9 @@ import torch
 
 ALLREDUCE_BYTES = 256 << 20
 ALLREDUCE_ITERS = 20
+DECODE_HIDDEN = 4096  # a 8B-class model's hidden size: the row-parallel all-reduce of one decode step
+DECODE_BATCHES = (1, 64)
+GRAPH_ITERS = 200
 PROMPTS = [[1, 504, 3458, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 9906, 11, 856, 836, 374]]
 
 
@@ -36,6 +43,29 @@ def _allreduce_rank(rank: int, port: int) -> None:
         # bus bandwidth of a ring all-reduce over n ranks: 2 (n - 1) / n x bytes / time
         print(f"  nccl all-reduce 2 GPUs, {ALLREDUCE_BYTES >> 20} MiB bf16: {dt * 1e3:.2f} ms, "
               f"bus bandwidth {ALLREDUCE_BYTES / dt / 1e9:.0f} GB/s")  # fmt: skip
+    for batch in DECODE_BATCHES:
+        small = torch.zeros(batch, DECODE_HIDDEN, dtype=torch.bfloat16, device=f"cuda:{rank}")
+        dist.all_reduce(small)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(GRAPH_ITERS):
+            dist.all_reduce(small)
+        torch.cuda.synchronize()
+        eager = (time.perf_counter() - t0) / GRAPH_ITERS
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # the same all-reduce, captured (torch.distributed over NCCL)
+            for _ in range(10):
+                dist.all_reduce(small)
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(GRAPH_ITERS // 10):
+            graph.replay()
+        torch.cuda.synchronize()
+        replayed = (time.perf_counter() - t0) / GRAPH_ITERS
+        if rank == 0:
+            print(f"  nccl all-reduce [{batch}, {DECODE_HIDDEN}] bf16: eager {eager * 1e6:.1f} us, "
+                  f"in a CUDA graph {replayed * 1e6:.1f} us")  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -52,15 +82,20 @@ def allreduce_bandwidth() -> bool:
     return not any(codes)
 
 
-def greedy_tokens(tp: int) -> list[list[int]]:
+def greedy_tokens(tp: int, enforce_eager: bool) -> tuple[list[list[int]], list[int]]:
+    """(tokens per prompt, the batch sizes rank 0 captured CUDA graphs for: [] when eager)."""
     from tokenmill.engine.config import EngineConfig
     from tokenmill.engine.engine_core import EngineCore
     from tokenmill.engine.outputs import EngineCoreRequest
     from tokenmill.engine.sampling_params import SamplingParams
 
-    core = EngineCore(
-        EngineConfig(dtype="float32", device="cuda", tensor_parallel_size=tp, num_kv_blocks=256, max_model_len=1024)
-    )
+    config = EngineConfig(
+        dtype="float32", device="cuda", tensor_parallel_size=tp, num_kv_blocks=256, max_model_len=1024,
+        enforce_eager=enforce_eager,
+    )  # fmt: skip
+    core = EngineCore(config)
+    graphs = core.runner.graphs
+    captured = sorted(graphs.graphs) if graphs is not None else []
     try:
         params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
         for i, ids in enumerate(PROMPTS):
@@ -69,7 +104,7 @@ def greedy_tokens(tp: int) -> list[list[int]]:
         while core.has_unfinished_requests():
             for o in core.step()[0]:
                 out[o.request_id] += o.new_token_ids
-        return [out[str(i)] for i in range(len(PROMPTS))]
+        return [out[str(i)] for i in range(len(PROMPTS))], captured
     finally:
         core.shutdown()
 
@@ -82,13 +117,17 @@ def check_tensor_parallel() -> bool:
         return True
     print("tensor parallel")
     ok = allreduce_bandwidth()
-    one, two = greedy_tokens(1), greedy_tokens(2)
-    same = one == two
-    print(f"  {'ok  ' if same else 'FAIL'} TP=2 greedy tokens (fp32, bundled model, {len(PROMPTS)} prompts x 32) "
-          "equal TP=1")  # fmt: skip
-    if not same:
-        print(f"    TP=1 {one}\n    TP=2 {two}")
-    return ok and same
+    one, _ = greedy_tokens(1, enforce_eager=True)
+    for eager in (True, False):
+        two, captured = greedy_tokens(2, enforce_eager=eager)
+        mode = "eager" if eager else f"CUDA graphs captured for {captured}"
+        same = one == two and (eager or bool(captured))
+        print(f"  {'ok  ' if same else 'FAIL'} TP=2 greedy tokens ({mode}; fp32, bundled model, "
+              f"{len(PROMPTS)} prompts x 32) equal TP=1 eager")  # fmt: skip
+        if not same:
+            print(f"    TP=1 {one}\n    TP=2 {two}")
+        ok = ok and same
+    return ok
 
 
 if __name__ == "__main__":
