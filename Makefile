@@ -77,10 +77,7 @@ images: image-tools $(STAMP)
 	bash images/build.sh >/dev/null
 
 image-tools:
-	@command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null || { \
-	  echo "installing Debian's podman, runc and mmdebstrap (needed by make images and e2e/test_images*.py)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	    podman runc mmdebstrap uidmap; }
+	@bash images/install_tools.sh
 
 cluster-up: $(STAMP) cluster-tools
 	$(VENV)/bin/python e2e/cluster.py up

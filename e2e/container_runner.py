@@ -15,7 +15,8 @@ it executes, instead of the command from the checkout's .venv, a foreground `pod
   emptyDir of medium Memory at /dev/shm becomes the container's /dev/shm of that sizeLimit;
 - the host's network namespace: the pod IP is a loopback address and `--host 0.0.0.0` becomes
   `--host <pod IP>` (the runner's bind-address deviation), so the engine is published at podIP:port and
-  the runner's real probes and the operator reach it there.
+  the runner's real probes and the operator reach it there; the other way round, the container reaches
+  what listens on the host's loopback (the Hub stand-in at the HF_ENDPOINT the operator writes).
 
 The podman process is the container's process for the runner: its exit code is the container's, SIGTERM
 to it is forwarded to the container (--sig-proxy), and `sweep()` removes what a SIGKILL left behind.
@@ -46,7 +47,9 @@ KERNEL_CACHE_MOUNT = "/var/cache/tokenmill-kernels"
 
 CONTAINER_DEVIATIONS = (
     "network: the host's network namespace (the pod IP is a loopback address on it); --host 0.0.0.0 "
-    "becomes --host <pod IP>, as in process mode",
+    "becomes --host <pod IP>, as in process mode. A URL on the host's loopback (the Hub stand-in's "
+    "HF_ENDPOINT http://127.0.0.1:PORT, the operator's --hf-endpoint) is therefore reached from the container "
+    "as from the host; in a pod's own network namespace 127.0.0.1 would be the pod itself",
     "KV pool: the process mode's --kv-cache-memory cap applies",
     "device: no GPU is passed in",
     "kernels: TORCH_EXTENSIONS_DIR points at a folder shared by all engine containers (the C++ CPU "

@@ -79,6 +79,77 @@ def in_podman(isvc: dict) -> dict:
     return isvc
 
 
+def wait_ready(cluster: Cluster, namespace: str, name: str) -> dict:
+    """Ready for the current generation with every desired replica ready (the runner's real probes)."""
+    def ready() -> dict | None:
+        o = get(cluster, ISVC, name, namespace)
+        ok = o and ready_for_current_generation(o) and \
+            o["status"].get("readyReplicas") == o["status"].get("desiredReplicas")
+        return o if ok else None
+
+    return wait_for(ready, f"{namespace}/{name} Ready=True with the engine image", timeout=ENGINE_START_S,
+                    interval=2)
+
+
+def runner_pods(cluster: Cluster, namespace: str, name: str) -> list[dict]:
+    return [p for p in items(cluster, "pods", namespace, f"serving.tokenmill.dev/inferenceservice={name}")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def assert_container_is_the_pod(pod: dict, pod_runner: PodRunner, engine_image: str) -> str:
+    """The podman container behind `pod` runs the pod's own image, user, read-only root, command, args
+    (but for the bind address and the KV cap), env values and mounts, and its readiness came from the
+    runner's real probes (failed while loading, then passed). Returns the container's name."""
+    c = pod["spec"]["containers"][0]
+    cname = container_runner.container_name(pod, c["name"])
+    info = json.loads(podman("inspect", cname).stdout)[0]
+    # The operator put the chart's engine image in the pod; that (local) image is what runs.
+    assert info["Image"] == container_runner.image_id(engine_image)
+    assert container_runner.local_image(c["image"]) in (c["image"], engine_image)
+    pod_sc = pod["spec"]["securityContext"]
+    assert info["Config"]["User"] == f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}"
+    assert info["HostConfig"]["ReadonlyRootfs"] is c["securityContext"]["readOnlyRootFilesystem"] is True
+    # The pod's command is the entrypoint and its args the container's, but for the bind address.
+    entrypoint = info["Config"]["Entrypoint"]  # podman 4.3 shows it joined by spaces
+    assert entrypoint in (c["command"], " ".join(c["command"])), entrypoint
+    host = c["args"].index("--host") + 1
+    got = info["Config"]["Cmd"]
+    assert got[host] == pod["status"]["podIP"] and c["args"][host] == "0.0.0.0"
+    kv = c["args"].index("--kv-cache-memory") + 1
+    assert {i for i, (a, b) in enumerate(zip(got, c["args"], strict=True)) if a != b} <= {host, kv}
+    env = dict(e.split("=", 1) for e in info["Config"]["Env"])
+    for e in c["env"]:
+        if "value" in e:
+            assert env[e["name"]] == e["value"], e  # as written: the container has the pod's paths
+    mounts = {m["Destination"] for m in info["Mounts"]}
+    assert {m["mountPath"] for m in c["volumeMounts"] if m["mountPath"] != "/dev/shm"} <= mounts
+
+    run = pod_runner.worker(pod["metadata"]["namespace"], pod["metadata"]["name"]).containers[0]
+    assert ("startup", False) in run.probe_log and ("readiness", True) in run.probe_log, run.probe_log
+    assert condition(pod, "Ready")["status"] == "True"
+    return cname
+
+
+def completion(pod: dict) -> httpx.Response:
+    args = pod["spec"]["containers"][0]["args"]
+    model = args[args.index("--served-model-name") + 1]
+    return httpx.post(f"http://{pod['status']['podIP']}:8000/v1/completions", timeout=600,
+                      json={"model": model, "prompt": "The capital of France is", "max_tokens": 4,
+                            "temperature": 0})
+
+
+def wait_containers_gone(cluster: Cluster, namespace: str, name: str) -> None:
+    """Delete the InferenceService and wait until no container of its pods is left."""
+    uids = [p["metadata"]["uid"] for p in runner_pods(cluster, namespace, name)]
+    cluster.kubectl("delete", ISVC, name, "-n", namespace, "--wait=true", check=False)
+
+    def left() -> list[str]:
+        return [u for u in uids if podman("ps", "-aq", "--filter", f"label={container_runner.OWNER_LABEL}={u}",
+                                          check=False).stdout.strip()]
+
+    wait_for(lambda: not left(), f"the {name} engine containers to go after their pods", timeout=120)
+
+
 def test_bundled_example_runs_in_the_engine_image(cluster: Cluster, operator: OperatorProcess,
                                                   pod_runner: PodRunner, images: dict[str, str],
                                                   namespace: str) -> None:
@@ -86,51 +157,49 @@ def test_bundled_example_runs_in_the_engine_image(cluster: Cluster, operator: Op
     name = isvc["metadata"]["name"]
     apply(cluster, isvc)
     try:
-        obj = wait_for(lambda: (o := get(cluster, ISVC, name, namespace)) and ready_for_current_generation(o)
-                       and o["status"].get("readyReplicas") == 1 and o, "Ready=True with the engine image",
-                       timeout=ENGINE_START_S, interval=2)
-        [pod] = [p for p in items(cluster, "pods", namespace, f"serving.tokenmill.dev/inferenceservice={name}")
-                 if not p["metadata"].get("deletionTimestamp")]
-        c = pod["spec"]["containers"][0]
-        cname = container_runner.container_name(pod, c["name"])
-        info = json.loads(podman("inspect", cname).stdout)[0]
-        # The operator put the chart's engine image in the pod; that (local) image is what runs.
-        assert info["Image"] == container_runner.image_id(images["engine"])
-        assert container_runner.local_image(c["image"]) in (c["image"], images["engine"])
-        pod_sc = pod["spec"]["securityContext"]
-        assert info["Config"]["User"] == f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}"
-        assert info["HostConfig"]["ReadonlyRootfs"] is c["securityContext"]["readOnlyRootFilesystem"] is True
-        # The pod's command is the entrypoint and its args the container's, but for the bind address.
-        entrypoint = info["Config"]["Entrypoint"]  # podman 4.3 shows it joined by spaces
-        assert entrypoint in (c["command"], " ".join(c["command"])), entrypoint
-        host = c["args"].index("--host") + 1
-        got = info["Config"]["Cmd"]
-        assert got[host] == pod["status"]["podIP"] and c["args"][host] == "0.0.0.0"
-        kv = c["args"].index("--kv-cache-memory") + 1
-        assert {i for i, (a, b) in enumerate(zip(got, c["args"], strict=True)) if a != b} <= {host, kv}
-        env = dict(e.split("=", 1) for e in info["Config"]["Env"])
-        for e in c["env"]:
-            if "value" in e:
-                assert env[e["name"]] == e["value"], e  # as written: the container has the pod's paths
-        mounts = {m["Destination"] for m in info["Mounts"]}
-        assert {m["mountPath"] for m in c["volumeMounts"] if m["mountPath"] != "/dev/shm"} <= mounts
-
-        # Readiness came from the real probes against the container: failed while loading, then passed.
-        run = pod_runner.worker(namespace, pod["metadata"]["name"]).containers[0]
-        assert ("startup", False) in run.probe_log and ("readiness", True) in run.probe_log, run.probe_log
-        assert condition(pod, "Ready")["status"] == "True"
-
-        args = c["args"]
-        model = args[args.index("--served-model-name") + 1]
-        rsp = httpx.post(f"http://{pod['status']['podIP']}:8000/v1/completions", timeout=600,
-                         json={"model": model, "prompt": "The capital of France is", "max_tokens": 4,
-                               "temperature": 0})
+        obj = wait_ready(cluster, namespace, name)
+        [pod] = runner_pods(cluster, namespace, name)
+        cname = assert_container_is_the_pod(pod, pod_runner, images["engine"])
+        rsp = completion(pod)
         assert rsp.status_code == 200, rsp.text
         assert rsp.json()["usage"]["completion_tokens"] >= 1
         assert container_runner.written_outside_volumes(cname) == []  # nothing written outside the pod's volumes
         assert obj["status"]["conditions"]
         assert pod_runner.all_errors() == []
     finally:
-        cluster.kubectl("delete", ISVC, name, "-n", namespace, "--wait=true", check=False)
-        wait_for(lambda: not podman("ps", "-q", "--filter", f"name=tm-{name}", check=False).stdout.strip(),
-                 "the engine container to stop after its pod went", timeout=120)
+        wait_containers_gone(cluster, namespace, name)
+
+
+def test_autoscaled_and_quota_examples_run_in_the_engine_image(
+        cluster: Cluster, operator: OperatorProcess, pod_runner: PodRunner, images: dict[str, str],
+        namespaces) -> None:
+    """autoscaled.yaml (1 replica) and quota-limited-namespace.yaml (2 of 4 replicas under the quota) at
+    once: three engine containers. The autoscaler reads the containers' real /metrics at their pod IPs."""
+    where = {}
+    for file, tag in (("autoscaled.yaml", "auto"), ("quota-limited-namespace.yaml", "quota")):
+        ns = namespaces(tag)
+        docs = [in_podman(d) if d["kind"] == "InferenceService" else d for d in example(file, ns)]
+        for d in docs:
+            apply(cluster, d, ns)
+        where[file] = (ns, next(d for d in docs if d["kind"] == "InferenceService")["metadata"]["name"])
+    try:
+        status = {}
+        for file, (ns, name) in where.items():
+            obj = wait_ready(cluster, ns, name)
+            pods = runner_pods(cluster, ns, name)
+            assert len(pods) == obj["status"]["desiredReplicas"], (file, obj["status"])
+            for pod in pods:
+                cname = assert_container_is_the_pod(pod, pod_runner, images["engine"])
+                rsp = completion(pod)
+                assert rsp.status_code == 200, (file, rsp.text)
+                assert container_runner.written_outside_volumes(cname) == [], file
+            status[file] = obj
+        quota = status["quota-limited-namespace.yaml"]
+        assert quota["status"]["desiredReplicas"] == 2 and condition(quota, "QuotaLimited")["status"] == "True"
+        ns, name = where["autoscaled.yaml"]
+        wait_for(lambda: (c := condition(get(cluster, ISVC, name, ns), "ScalingActive")) and c["status"] == "True"
+                 and c, "ScalingActive=True from the engine containers' metrics", timeout=60)
+        assert pod_runner.all_errors() == []
+    finally:
+        for ns, name in where.values():
+            wait_containers_gone(cluster, ns, name)
