@@ -3,8 +3,9 @@
 The engine core process is rank 0: it keeps the scheduler and the sampler, runs its own shard, and
 broadcasts each step (step_input.py). The other ranks of this node are `python -m
 tokenmill.engine.parallel_worker` processes; ranks on other nodes come from `tokenmill serve --headless`
-there (docs/engine.md, "Multi-node launch"). A watchdog thread notices a local rank that exits and
-takes the engine down at once, naming the rank.
+there (docs/engine.md, "Multi-node launch"). A watchdog thread notices a local rank that exits, or a
+rank on another node whose liveness connection closes (parallel_liveness.py), and takes the engine
+down at once, naming the rank (and the other node's host).
 """
 
 import _thread
@@ -20,6 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tokenmill.engine import parallel_liveness
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_runner import ModelRunner
@@ -82,8 +84,10 @@ class RankWatchdog:
 
     def __init__(self, procs: dict[int, subprocess.Popen], on_death: str = "interrupt") -> None:
         self.procs = procs
+        self.remote: dict[int, parallel_liveness.RemoteRank] = {}  # ranks on other nodes, once connected
         self.dead: str | None = None
         self._stop = threading.Event()
+        self._dying = threading.Lock()
         self._on_death = on_death
         self._thread = threading.Thread(target=self._run, name="rank-watchdog", daemon=True)
         self._thread.start()
@@ -92,19 +96,51 @@ class RankWatchdog:
         while not self._stop.wait(WATCHDOG_POLL_S):
             for rank, proc in self.procs.items():
                 code = proc.poll()
-                if code is None:
-                    continue
-                self.dead = f"parallel rank {rank} (pid {proc.pid}) exited with code {code}"
-                logger.error("%s; the engine cannot run without it and exits", self.dead)
-                for other in self.procs.values():
-                    if other.poll() is None:
-                        other.kill()
-                if self._on_death == "exit":
-                    os._exit(1)
-                _thread.interrupt_main()
-                time.sleep(EXIT_GRACE_S)
-                logger.error("%s; exiting", self.dead)
+                if code is not None:
+                    self._die(f"parallel rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def _die(self, dead: str) -> None:
+        """Log the dead rank, kill the local ones, take this process down (once, whoever calls)."""
+        with self._dying:
+            if self._stop.is_set():  # shutting down in order: ranks exit on purpose
+                return
+            self.dead = dead
+            logger.error("%s; the engine cannot run without it and exits", dead)
+            for other in self.procs.values():
+                if other.poll() is None:
+                    other.kill()
+            if self._on_death == "exit":
                 os._exit(1)
+            _thread.interrupt_main()
+            time.sleep(EXIT_GRACE_S)
+            logger.error("%s; exiting", dead)
+            os._exit(1)
+
+    def watch_remote(self, server: socket.socket, expected: int) -> None:
+        """Multi-node: accept the liveness connections of the `expected` ranks on other nodes
+        (parallel_liveness.py) and take the engine down, naming the rank and its host, when one closes."""
+        threading.Thread(target=self._accept_remote, args=(server, expected), name="rank-accept", daemon=True).start()
+
+    def _accept_remote(self, server: socket.socket, expected: int) -> None:
+        try:
+            for _ in range(expected):
+                remote = parallel_liveness.accept_one(server)
+                self.remote[remote.rank] = remote
+                logger.info("%s connected", remote.describe())
+                threading.Thread(target=self._watch_remote, args=(remote,), name=f"rank-{remote.rank}-watch",
+                                 daemon=True).start()  # fmt: skip
+        except OSError as e:
+            if not self._stop.is_set():
+                logger.warning("stopped accepting ranks' liveness connections: %s", e)
+        finally:
+            server.close()
+
+    def _watch_remote(self, remote: parallel_liveness.RemoteRank) -> None:
+        try:
+            remote.conn.recv(1)  # a rank never sends after its introduction: this returns when it is gone
+        except OSError:
+            pass
+        self._die(f"{remote.describe()} closed its connection to the leader (its process or node is gone)")
 
     def stop(self) -> None:
         self._stop.set()
@@ -124,7 +160,10 @@ class RankWatchdog:
             except OSError:
                 state = "?"
             parts.append(f"parallel rank {rank} (pid {proc.pid}) is {PROC_STATES.get(state, state)}")
-        return "; ".join(parts) or "no local ranks (the others are on other nodes)"
+        for _, remote in sorted(self.remote.items()):
+            closed = parallel_liveness.is_closed(remote.conn)
+            parts.append(f"{remote.describe()} {'closed its connection' if closed else 'is connected'}")
+        return "; ".join(parts) or "no ranks to describe"
 
 
 @dataclasses.dataclass(slots=True)
@@ -150,7 +189,7 @@ class LeaderGroup:
         if self.closed:
             return
         self.closed = True
-        self.watchdog.stop()
+        self.watchdog.stop()  # from here on, ranks that exit do so on purpose
         try:
             if not self.failed:  # after a failed step a rank may hang: it is killed below instead
                 broadcast_step(None, self.par)
@@ -192,6 +231,8 @@ def start_leader(config: EngineConfig, device: torch.device, max_step_bytes: int
             if ring is not None:
                 ring.unlink()
         par.step_ring = ring
+        if par.liveness is not None:  # multi-node: the ranks of the other nodes
+            watchdog.watch_remote(par.liveness, world - per_node)
     except BaseException:
         watchdog.stop()
         for proc in procs.values():

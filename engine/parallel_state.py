@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from tokenmill.engine import kv_memory
+from tokenmill.engine import kv_memory, parallel_liveness
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.parallel_check import check_parallel_devices, check_parallel_model, check_parallel_shape
@@ -37,6 +37,8 @@ class ParallelState:
     remote_group: object | None = None
     nnodes: int = 1
     collective_timeout_s: float = 60.0
+    # Multi-node (parallel_liveness.py): rank 0's listening socket, or another node's rank's connection.
+    liveness: object | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -142,6 +144,10 @@ def init_parallel(
         remote = [0, *range(state.ranks_per_node, world)]
         group = dist.new_group(remote, backend="gloo", timeout=CONTROL_TIMEOUT)
         state.remote_group = group if rank in remote else None
+        if rank == 0:
+            state.liveness = parallel_liveness.listen(store)
+        elif not state.on_leader_node:
+            state.liveness = parallel_liveness.connect(store, master_addr, rank, RENDEZVOUS_TIMEOUT_S)
     state.tp_group = groups[state.pp_rank] if t > 1 else None
     return state
 

@@ -6,12 +6,15 @@
   env on loopback (the multi-node launch), answer the tokens of one process; only the leader serves HTTP.
 - A SIGKILLed rank and a SIGSTOPped (hung) rank each take the server down with a non-zero exit and a
   log line naming the rank, and a streaming request in flight ends with an error instead of hanging.
+- A SIGKILLed headless worker takes the leader down too, idle or streaming, with a line naming the rank
+  and its host.
 
 Every server here starts T processes; the module keeps them few and uses tiny models where it can.
 """
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -114,13 +117,14 @@ def test_tp3_server_answers_the_tokens_of_one_rank_and_frees_every_block(tmp_pat
     assert first == _reference_text(None, LONG_PROMPT)
 
 
-def test_leader_and_headless_worker_on_loopback_serve_the_tokens_of_one_process(tiny, tiny_reference, tmp_path):
+def _leader_and_worker(tiny, tmp_path) -> tuple[ServerProcess, subprocess.Popen, object]:
+    """A leader `tokenmill serve` and a `--headless` worker wired by the LeaderWorkerSet env on loopback:
+    (leader, worker process, the worker's open log file)."""
     port = free_port()
     lws = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "127.0.0.1"}
     leader = _serve(tmp_path, "--model", str(tiny), "--tensor-parallel-size", "2", "--dist-port", str(port),
                     env={**lws, "LWS_WORKER_INDEX": "0"})  # fmt: skip
-    worker_log_path = tmp_path / "worker.log"
-    worker_log = open(worker_log_path, "wb")
+    worker_log = open(tmp_path / "worker.log", "wb")
     # The worker gets no --port: a headless node serves no HTTP (asserted below by the leader's port
     # being the only one answering and by the worker's log).
     worker = subprocess.Popen(
@@ -129,6 +133,12 @@ def test_leader_and_headless_worker_on_loopback_serve_the_tokens_of_one_process(
         env={**os.environ, "OMP_NUM_THREADS": "1", **lws, "LWS_WORKER_INDEX": "1"},
         stdout=worker_log, stderr=subprocess.STDOUT, cwd=REPO,
     )  # fmt: skip
+    return leader, worker, worker_log
+
+
+def test_leader_and_headless_worker_on_loopback_serve_the_tokens_of_one_process(tiny, tiny_reference, tmp_path):
+    leader, worker, worker_log = _leader_and_worker(tiny, tmp_path)
+    worker_log_path = tmp_path / "worker.log"
     try:
         leader.wait_healthy(STARTUP_S)
         assert _rank_pids(leader.core_pid()) == []  # its only other rank is on the "other node"
@@ -200,3 +210,38 @@ def test_a_dead_or_hung_rank_takes_the_server_down_and_fails_the_request_in_flig
         assert f"parallel rank 1 (pid {rank_pid}) exited with code -9" in log, log
     else:
         assert f"parallel rank 1 (pid {rank_pid}) is stopped" in log, log
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "streaming"])
+def test_a_dead_worker_node_takes_the_leader_down_naming_the_rank_and_its_host(tiny, tmp_path, busy):
+    """SIGKILL of the headless worker (its rank follows within 0.5 s): the leader, idle or streaming,
+    exits non-zero with a line naming rank 1 and its host, from its liveness connection (an idle
+    leader has no collective in flight that could fail)."""
+    leader, worker, worker_log = _leader_and_worker(tiny, tmp_path)
+    box: dict = {"started": threading.Event()}
+    try:
+        leader.wait_healthy(STARTUP_S)
+        (rank_pid,) = _rank_pids(worker.pid)
+        if busy:
+            reader = threading.Thread(target=_stream_until_broken, args=(leader, box), daemon=True)
+            reader.start()
+            assert box["started"].wait(EXIT_WAIT_S), "the stream never produced a chunk"
+        worker.kill()
+        leader.proc.wait(timeout=EXIT_WAIT_S)
+        if busy:
+            reader.join(EXIT_WAIT_S)
+            assert not reader.is_alive(), "the in-flight request hangs"
+    finally:
+        try:
+            os.kill(rank_pid, signal.SIGKILL)  # if it outlived its launcher
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        worker.kill()
+        worker.wait()
+        worker_log.close()
+        leader.stop()
+    log = leader.log()
+    assert leader.proc.returncode != 0, log
+    assert f"parallel rank 1 on host {socket.gethostname()} (127.0.0.1, pid {rank_pid}) closed its connection" in log, log
+    if busy:
+        assert box["end"].startswith("error") or "finish_reason" not in box, box
