@@ -3,9 +3,10 @@
 Builds a tiny random qwen2 model (transformers' config class, fp32, CPU), runs decode steps of an
 EngineCore at TP=1 and TP=2 for each batch size, and prints the median step time, the TP=2 / TP=1
 ratio, and rank 0's median time inside the per-step broadcast (step_input.broadcast_step: the write
-into the shared-memory ring). Then a ping-pong between two processes over two rings gives the
-one-way latency of a step message including the reader's wake-up. Prints the load average first:
-a shared machine inflates every figure.
+into the shared-memory ring; TP=1 has none). Then a ping-pong between two processes over two rings
+gives the one-way delivery latency of a step message (stamped by the writer, read by the reader's
+clock, wake-up included) and half the round trip. Prints the load average first and last: a shared
+machine inflates every figure.
 """
 
 import argparse
@@ -78,17 +79,24 @@ def step_times(model: pathlib.Path, tp: int, batch: int) -> tuple[float, float]:
 
 
 def pong(ping_path: str, pong_path: str, chunk: int, rounds: int) -> None:
-    """The other process of the ping-pong: read each message from one ring, echo it on the other."""
+    """The other process of the ping-pong: read each message from one ring, note how long after its
+    write it arrived (word 0 is the writer's CLOCK_MONOTONIC in ns, the same clock in both processes),
+    echo it on the other ring; finally send the median of those one-way delays."""
     from tokenmill.engine.shm_broadcast import ShmRing
 
     inbox = ShmRing.attach(ping_path, 1, chunk, 0)
     outbox = ShmRing.attach(pong_path, 1, chunk, None)
+    delays = []
     for _ in range(rounds):
-        outbox.write(inbox.read(), timeout_s=60)
+        msg = inbox.read()
+        delays.append(time.perf_counter_ns() - int(msg.view(np.int64)[0]))
+        outbox.write(msg, timeout_s=60)
+    outbox.write(np.array([int(np.median(delays))], dtype=np.int64), timeout_s=60)
 
 
-def ping_pong(words: int, rounds: int = 2000) -> float:
-    """Median one-way seconds for a message of `words` int64 between two processes."""
+def ping_pong(words: int, rounds: int = 2000) -> tuple[float, float]:
+    """(median one-way delivery seconds, stamped at the write and read at the reader; median round
+    trip / 2) for a message of `words` int64 between two processes."""
     from tokenmill.engine.shm_broadcast import ShmRing
 
     chunk = 8 * words
@@ -103,30 +111,40 @@ def ping_pong(words: int, rounds: int = 2000) -> float:
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()
+            msg[0] = time.perf_counter_ns()  # perf_counter is CLOCK_MONOTONIC: one clock for both processes
             ping.write(msg, timeout_s=60)
             reader.read()
             times.append((time.perf_counter() - t0) / 2)
+        one_way = int(reader.read().view(np.int64)[0]) / 1e9
         child.wait(60)
     finally:
         ping.unlink()
         back.unlink()
         if child.poll() is None:
             child.kill()
-    return float(np.median(times))
+    return one_way, float(np.median(times))
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tokenmill.engine.parallel_bench")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--ring-only", action="store_true", help="only the ring's latency (a few seconds)")
     ap.add_argument("--pong", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.ring_only:
+        args.batch = []
     if args.pong:
         pong(args.pong[0], args.pong[1], int(args.pong[2]), int(args.pong[3]))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; tiny qwen2, fp32, CPU", flush=True)
+    print(f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, {load()}; tiny qwen2, fp32, CPU", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(pathlib.Path(tmp))
+        model = tiny_model(pathlib.Path(tmp)) if args.batch else None
         for batch in args.batch:
             one, _ = step_times(model, 1, batch)
             two, inside = step_times(model, 2, batch)
@@ -136,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     for words in (6 + 7 * 1 + 1, 6 + 7 * 64 + 64):  # a packed decode step of batch 1 / 64, 1 block each
-        print(f"ring ping-pong, {8 * words} bytes: {ping_pong(words) * 1e6:.1f} us one way", flush=True)
+        one_way, half_trip = ping_pong(words)
+        print(f"ring, {8 * words} bytes: one-way delivery {one_way * 1e6:.1f} us (median, stamped at the "
+              f"write), round trip / 2 {half_trip * 1e6:.1f} us", flush=True)  # fmt: skip
+    print(f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, {load()}", flush=True)
     return 0
 
 
