@@ -14,9 +14,17 @@ from tokenmill.kernels import cpu, reference
 from tokenmill.kernels.validate import check_decode_args, check_prefill_args, check_store_kv_args
 
 IMPLS = ("auto", "triton", "cpu", "torch")
-# Query chunks up to this many rows go through the C++ kernel (one pass over the cache per row); longer
-# prompt chunks go to the reference, whose SDPA call turns them into matrix products.
-CPU_MAX_QUERY_LEN = 32
+# A sequence's chunk goes through the C++ kernel (row tiles walking the paged cache) up to this many
+# (query row, key) pairs, rows * (seq_len - rows // 2); more goes to the reference, whose SDPA call turns
+# it into matrix products. Measured on AVX2 (fp32, SmolLM2's heads, one thread): a 384-token prompt
+# 11.6 ms C++ vs 24.0 torch (74k pairs), a 512-token prompt 29.9 vs 28.9 (131k), 64 rows after 3,000
+# cached 47.3 vs 39.4 (194k): the crossover is near 128k pairs.
+CPU_MAX_ATTN_PAIRS = 1 << 17
+# Half-precision chunks over this many rows keep the reference: its SDPA rounds like transformers' own
+# (bit for bit in tests/test_model_llama.py), where the kernel's fp32 softmax moved a tiny random
+# model's bf16 argmax agreement with fp32 from 0.875 to 0.80 on a 40-token prompt.
+CPU_MAX_QUERY_LEN_HALF = 32
+_NO_LIMIT = 1 << 62
 
 
 def _use_triton(impl: str, device: torch.device) -> bool:
@@ -93,7 +101,9 @@ def paged_attention_decode(
     ops = _cpu_ops(impl, q.device)
     if ops is not None:
         out = q.new_empty(q.shape)
-        ops.paged_attention_varlen(out, q, k_cache, v_cache, block_tables, _arange(q.shape[0] + 1), seq_lens, scale, 1)
+        ops.paged_attention_varlen(
+            out, q, k_cache, v_cache, block_tables, _arange(q.shape[0] + 1), seq_lens, scale, 1, _NO_LIMIT
+        )
         return out
     return reference.paged_attention_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
@@ -127,6 +137,15 @@ def paged_attention_prefill(
     )
 
 
+def _max_query_len(dtype: torch.dtype) -> int:
+    return _NO_LIMIT if dtype == torch.float32 else CPU_MAX_QUERY_LEN_HALF
+
+
+def too_big_for_cpu_kernel(rows: int, seq_len: int, dtype: torch.dtype = torch.float32) -> bool:
+    """The C++ kernel's skip rule (cpu_attention.cpp): such a chunk goes to the matmul-based reference."""
+    return rows > 0 and (rows > _max_query_len(dtype) or rows * (seq_len - rows // 2) > CPU_MAX_ATTN_PAIRS)
+
+
 _ARANGES: dict[int, torch.Tensor] = {}
 
 
@@ -148,13 +167,16 @@ def _prefill_cpu(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Short chunks (decode rows, small prompts) in the C++ kernel; long ones through the reference."""
+    """Decode rows and prompt chunks up to CPU_MAX_ATTN_PAIRS in the C++ kernel; bigger ones through the
+    reference (the same rule as the kernel's skip)."""
     out = q.new_empty(q.shape)
+    max_rows = _max_query_len(q.dtype)
     ops.paged_attention_varlen(  # type: ignore[attr-defined]
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, CPU_MAX_QUERY_LEN
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_rows, CPU_MAX_ATTN_PAIRS
     )
     starts = query_start_loc.tolist()
-    long = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > CPU_MAX_QUERY_LEN]
+    lens = seq_lens.tolist()
+    long = [i for i, n in enumerate(lens) if too_big_for_cpu_kernel(starts[i + 1] - starts[i], n, q.dtype)]
     if not long:
         return out
     rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in long])

@@ -37,17 +37,38 @@ def test_decode_matches_naive(dtype, block_size, num_kv_heads, group, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 1), (1, 3), (1, 8)])
-def test_prefill_matches_naive(dtype, block_size, num_kv_heads, group):
+def test_prefill_matches_naive(dtype, block_size, num_kv_heads, group, monkeypatch):
+    # A small pair limit (the split rule is the same at any limit) keeps the float64 oracle fast.
+    monkeypatch.setattr(ops, "CPU_MAX_ATTN_PAIRS", 4000)
     bs = block_size
-    # Short chunks (the C++ kernel), chunks longer than CPU_MAX_QUERY_LEN (sent to the reference in the
-    # same call), chunks starting mid-block after a cached prefix, a decode row and an idle sequence.
-    long = ops.CPU_MAX_QUERY_LEN + 9
-    seq_lens = [1, bs - 1, bs + 1, long, bs + 7, long + 20, 2 * bs, 40]
-    query_lens = [1, bs - 1, bs + 1, long, 3, long, 1, 0]
+    # Short chunks, prompt chunks of tens of rows (the C++ kernel's row tiles, partial last tiles),
+    # chunks over CPU_MAX_ATTN_PAIRS (sent to the reference in the same call: a long prompt, a short chunk
+    # after a long cached prefix), chunks starting mid-block after a cached prefix, a decode row and an
+    # idle sequence.
+    seq_lens = [1, bs - 1, bs + 1, 98, bs + 7, 118, 2 * bs, 40, 73, 45, 150]
+    query_lens = [1, bs - 1, bs + 1, 98, 3, 98, 1, 0, 70, 45, 40]
+    sent_to_reference = [ops.too_big_for_cpu_kernel(n, s, dtype) for s, n in zip(seq_lens, query_lens, strict=True)]
+    if dtype == torch.float32:
+        assert sent_to_reference == [False] * 3 + [True, False, True] + [False] * 4 + [True]
+    else:  # half precisions: also every chunk over CPU_MAX_QUERY_LEN_HALF rows
+        assert sent_to_reference == [False, False, bs + 1 > 32, True, False, True, False, False, True, True, True]
     q, k_cache, v_cache, table, qsl, lens = prefill_batch(seq_lens, query_lens, bs, num_kv_heads, group, 64, dtype)
     scale = 0.125
     out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, scale, impl="cpu")
     assert_close(out, naive_prefill(q, k_cache, v_cache, table, qsl, lens, scale), dtype)
+
+
+def test_prefill_at_the_real_pair_limit_agrees_with_reference():
+    """Chunks just under and just over CPU_MAX_ATTN_PAIRS as the engine meets them (fp32)."""
+    rows = int((2 * ops.CPU_MAX_ATTN_PAIRS) ** 0.5)
+    seq_lens, query_lens = [rows - 8, rows + 8, 3000], [rows - 8, rows + 8, 30]
+    assert [ops.too_big_for_cpu_kernel(n, s) for s, n in zip(seq_lens, query_lens, strict=True)] == [
+        False, True, False
+    ]
+    q, k_cache, v_cache, table, qsl, lens = prefill_batch(seq_lens, query_lens, 16, 3, 3, 64, torch.float32)
+    out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, 0.125, impl="cpu")
+    ref = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, 0.125, impl="torch")
+    assert_close(out, ref.double(), torch.float32)
 
 
 def test_strided_query_from_fused_qkv():

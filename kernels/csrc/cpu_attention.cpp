@@ -202,12 +202,115 @@ void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, 
 }
 #endif
 
-// out [num_tokens, num_heads, head_dim] (contiguous) <- attention of q's rows; sequences whose chunk is
-// longer than max_query_len are skipped (the caller sends those to a matmul-based path).
+#if defined(TOKENMILL_AVX2)
+using tokenmill_cpu::exp8;
+using tokenmill_cpu::hmax8;
+using tokenmill_cpu::hsum8;
+using tokenmill_cpu::load8;
+
+// Query rows attended together: each K/V slot read serves up to this many rows of a prompt chunk, so a
+// long chunk walks its keys num_rows / kTileRows times instead of num_rows times.
+constexpr int64_t kTileRows = 4;
+
+// The AVX2 twin of attend_seq_avx512 (8 lanes), plus row tiling for prompt chunks. NV = head_dim / 8.
+template <typename T, int NV>
+void attend_seq_avx2(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
+                     const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t block_size,
+                     int64_t num_kv_heads, int64_t num_heads, int64_t num_rows, int64_t first_row,
+                     int64_t seq_len, float scale, std::vector<float>& scratch) {
+  constexpr int D = NV * 8;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kTileRows) {
+    const int64_t tr = std::min(kTileRows, num_rows - r0);
+    const int64_t n_first = seq_len - num_rows + r0 + 1;  // keys row r0 sees; row r0 + j sees n_first + j
+    const int64_t n_last = n_first + tr - 1;
+    const int64_t padded = (n_last + 7) / 8 * 8;
+    const int64_t heads = tr * num_heads;  // (row, head) pairs of the tile
+    scratch.resize(static_cast<size_t>(heads * (2 * D + padded + 1)));
+    float* qf = scratch.data();         // [tr, heads, D], scaled
+    float* acc = qf + heads * D;        // [tr, heads, D]
+    float* scores = acc + heads * D;    // [tr, heads, padded]
+    float* inv_sum = scores + heads * padded;
+    for (int64_t j = 0; j < tr; ++j)
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const T* qp = q + (first_row + r0 + j) * q_row_stride + h * q_head_stride;
+        float* dst = qf + (j * num_heads + h) * D;
+        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(dst + v * 8, _mm256_mul_ps(load8(qp + v * 8), _mm256_set1_ps(scale)));
+      }
+    // Pass 1: scores = q . k for every key each row sees.
+    for_each_slot(k_cache, block_table, block_size, token_stride, n_last, [&](int64_t t, const T* kb) {
+      const int64_t j0 = tr - std::min(tr, n_last - t);  // the first row that sees key t (causal)
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        __m256 kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = load8(kb + kvh * D + v * 8);
+        for (int64_t j = j0; j < tr; ++j)
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const float* qh = qf + (j * num_heads + h) * D;
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), kv[0]);
+            for (int v = 1; v < NV; ++v) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + v * 8), kv[v], a);
+            scores[(j * num_heads + h) * padded + t] = hsum8(a);
+          }
+      }
+    });
+    // Softmax numerators in place; the 1/sum goes into the output.
+    for (int64_t j = 0; j < tr; ++j) {
+      const int64_t n_keys = n_first + j;
+      const int64_t full = n_keys / 8 * 8;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores + (j * num_heads + h) * padded;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < full; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+        float m = hmax8(mv);
+        for (int64_t i = full; i < n_keys; ++i) m = std::max(m, s[i]);
+        const __m256 mb = _mm256_set1_ps(m);
+        __m256 sv = _mm256_setzero_ps();
+        for (int64_t i = 0; i < full; i += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mb));
+          _mm256_storeu_ps(s + i, e);
+          sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum8(sv);
+        for (int64_t i = full; i < n_keys; ++i) {
+          s[i] = tokenmill_cpu::exp_poly(s[i] - m);
+          sum += s[i];
+        }
+        inv_sum[j * num_heads + h] = 1.0f / sum;
+      }
+    }
+    // Pass 2: out = sum_t p_t v_t, each V row loaded once for every row and head of its group.
+    std::fill(acc, acc + heads * D, 0.0f);
+    for_each_slot(v_cache, block_table, block_size, token_stride, n_last, [&](int64_t t, const T* vb) {
+      const int64_t j0 = tr - std::min(tr, n_last - t);
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        __m256 vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = load8(vb + kvh * D + v * 8);
+        for (int64_t j = j0; j < tr; ++j)
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const __m256 p = _mm256_set1_ps(scores[(j * num_heads + h) * padded + t]);
+            float* a = acc + (j * num_heads + h) * D;
+            for (int v = 0; v < NV; ++v) _mm256_storeu_ps(a + v * 8, _mm256_fmadd_ps(p, vv[v], _mm256_loadu_ps(a + v * 8)));
+          }
+      }
+    });
+    for (int64_t j = 0; j < tr; ++j)
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* o = out + (first_row + r0 + j) * out_row_stride + h * D;
+        const float* a = acc + (j * num_heads + h) * D;
+        const float inv = inv_sum[j * num_heads + h];
+        for (int d = 0; d < D; ++d) o[d] = static_cast<T>(a[d] * inv);
+      }
+  }
+}
+#endif
+
+// out [num_tokens, num_heads, head_dim] (contiguous) <- attention of q's rows; sequences whose chunk has
+// more than max_query_len rows or more than max_pairs (query row, key) pairs, counted as
+// rows * (seq_len - rows / 2), are skipped (the caller sends those to a matmul-based path).
 void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                            int64_t max_query_len) {
+                            int64_t max_query_len, int64_t max_pairs) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention_varlen: CPU tensors only");
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -238,7 +341,7 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
       for (int64_t s = begin; s < end; ++s) {
         const int64_t first = qsl[s];
         const int64_t rows = qsl[s + 1] - first;
-        if (rows == 0 || rows > max_query_len) continue;
+        if (rows == 0 || rows > max_query_len || rows * (lens[s] - rows / 2) > max_pairs) continue;
         if (lens[s] == 0) {  // padding: zero output, as the reference gives
           std::fill_n(op + first * num_heads * head_dim, rows * num_heads * head_dim, static_cast<scalar_t>(0));
           continue;
@@ -257,6 +360,17 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
           continue;
         }
 #endif
+#if defined(TOKENMILL_AVX2)
+        if (head_dim == 64 || head_dim == 128) {
+          if (head_dim == 64)
+            attend_seq_avx2<scalar_t, 8>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
+                                         block_size, num_kv_heads, num_heads, rows, first, lens[s], fscale, scratch);
+          else
+            attend_seq_avx2<scalar_t, 16>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
+                                          block_size, num_kv_heads, num_heads, rows, first, lens[s], fscale, scratch);
+          continue;
+        }
+#endif
         for (int64_t h = 0; h < num_kv_heads; ++h)
           attend_rows<scalar_t>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
                                 block_size, num_kv_heads, head_dim, h, group, first, rows, lens[s], fscale,
@@ -271,6 +385,6 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def(
       "paged_attention_varlen(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, float scale, int max_query_len) -> ()");
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int max_query_len, int max_pairs) -> ()");
   m.impl("paged_attention_varlen", c10::DispatchKey::CPU, &paged_attention_varlen);
 }
