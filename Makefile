@@ -47,8 +47,8 @@ clean: cluster-down
 # ---- e2e: a real local control plane (see docs/e2e.md) ----
 # The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
 # later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
-.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools prometheus chart-crds images image-tools
-e2e-deps: cluster-tools gitops-tools lws-tools prometheus images
+.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools prometheus chart-crds images image-tools dockerfile-check
+e2e-deps: cluster-tools gitops-tools lws-tools prometheus images dockerfile-check
 
 # Only the end-to-end suite (make test runs it too).
 e2e: $(STAMP) e2e-deps
@@ -78,6 +78,11 @@ images: image-tools $(STAMP)
 
 image-tools:
 	@bash images/install_tools.sh
+
+# docker/*.Dockerfile through BuildKit's Dockerfile frontend (what `docker build` runs), no daemon: they
+# must stay buildable by docker, not only by podman. The checker is cached under ~/.cache/tokenmill.
+dockerfile-check:
+	@bash images/check_dockerfiles.sh
 
 cluster-up: $(STAMP) cluster-tools
 	$(VENV)/bin/python e2e/cluster.py up

@@ -635,6 +635,8 @@ class PodWorker(threading.Thread):
             self.errors.append(f"{self.namespace}/{self.name}: {e!r}")
         finally:
             self._stop_all()
+            if container_runner.wanted(self.pod):  # a `podman run` stopped before its container started
+                container_runner.sweep(self.pod["metadata"]["uid"])  # leaves it created: remove it
             shutil.rmtree(self.dir / "volumes", ignore_errors=True)  # emptyDirs go with the pod; logs stay
 
     def _prepare(self) -> bool:

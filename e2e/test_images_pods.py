@@ -139,15 +139,19 @@ def completion(pod: dict) -> httpx.Response:
 
 
 def wait_containers_gone(cluster: Cluster, namespace: str, name: str) -> None:
-    """Delete the InferenceService and wait until no container of its pods is left."""
-    uids = [p["metadata"]["uid"] for p in runner_pods(cluster, namespace, name)]
+    """Delete the InferenceService and wait until its pods are gone and no container of any of them (also
+    one a ReplicaSet made while the service was being deleted) is left."""
     cluster.kubectl("delete", ISVC, name, "-n", namespace, "--wait=true", check=False)
+    seen: set[str] = set()
 
-    def left() -> list[str]:
-        return [u for u in uids if podman("ps", "-aq", "--filter", f"label={container_runner.OWNER_LABEL}={u}",
-                                          check=False).stdout.strip()]
+    def gone() -> bool:
+        pods = items(cluster, "pods", namespace, f"serving.tokenmill.dev/inferenceservice={name}")
+        seen.update(p["metadata"]["uid"] for p in pods)
+        return not pods and not any(
+            podman("ps", "-aq", "--filter", f"label={container_runner.OWNER_LABEL}={uid}", check=False).stdout.strip()
+            for uid in seen)
 
-    wait_for(lambda: not left(), f"the {name} engine containers to go after their pods", timeout=120)
+    wait_for(gone, f"the {name} pods and their engine containers to go", timeout=180)
 
 
 def test_bundled_example_runs_in_the_engine_image(cluster: Cluster, operator: OperatorProcess,

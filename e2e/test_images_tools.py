@@ -61,3 +61,23 @@ def test_one_missing_tool_is_enough_and_none_missing_does_nothing(tmp_path: Path
     proc = run(path, "--simulate")
     assert "not found: runc;" in proc.stdout, proc.stdout
     assert "apt-get install --simulate -q --no-install-recommends podman runc mmdebstrap uidmap" in proc.stdout
+
+
+CHECK = SCRIPT.parent / "check_dockerfiles.sh"
+
+
+@pytest.mark.skipif(shutil.which("go") is None, reason="the checker is built with Go (as the e2e's Go tools)")
+def test_containerfiles_pass_buildkits_dockerfile_frontend(tmp_path: Path) -> None:
+    """docker/*.Dockerfile through BuildKit's own frontend (`docker build --check` lint rules, conversion to
+    LLB), with the default BASE and with the mmdebstrap base's; a flag BuildKit does not know fails it."""
+    proc = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    for name, user in (("engine", "USER 1000:1000"), ("operator", "USER 65532:65532")):
+        for base in ("FROM docker.io/library/python:3.11-slim-bookworm", "FROM localhost/tokenmill-base:"):
+            assert any(f"/docker/{name}.Dockerfile: ok: 0 lint warnings" in line and base in line and user in line
+                       for line in lines), (name, base, proc.stdout)
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("ARG BASE=python:3.11-slim-bookworm\nFROM ${BASE}\nCOPY --chown-recursive=1000 . /src\n")
+    proc = subprocess.run(["bash", str(CHECK), str(bad)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "unknown flag: --chown-recursive" in proc.stdout, proc.stdout + proc.stderr
