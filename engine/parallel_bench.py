@@ -37,7 +37,7 @@ def tiny_model(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
-def step_times(model: pathlib.Path, tp: int, batch: int) -> tuple[float, float]:
+def step_times(model: pathlib.Path, tp: int, batch: int, pp: int = 1) -> tuple[float, float]:
     """(median decode step seconds, median seconds rank 0 spends in broadcast_step)."""
     from tokenmill.engine import model_runner
     from tokenmill.engine.config import EngineConfig
@@ -56,6 +56,7 @@ def step_times(model: pathlib.Path, tp: int, batch: int) -> tuple[float, float]:
     model_runner.broadcast_step = timed
     config = EngineConfig(
         model=str(model), dtype="float32", device="cpu", tensor_parallel_size=tp, num_kv_blocks=256,
+        pipeline_parallel_size=pp,
         max_model_len=128, max_num_seqs=max(batch, 1),
     )  # fmt: skip
     core = EngineCore(config)
@@ -133,6 +134,7 @@ def load() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tokenmill.engine.parallel_bench")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--pp", action="store_true", help="also PP=2 (one pipeline batch in flight)")
     ap.add_argument("--ring-only", action="store_true", help="only the ring's latency (a few seconds)")
     ap.add_argument("--pong", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -153,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"(x{two / one:.2f}, +{(two - one) * 1e3:.2f} ms); rank 0 in the broadcast {inside * 1e6:.1f} us",
                 flush=True,
             )
+            if args.pp:  # one batch in flight: each stage waits for the other, steps do not overlap
+                pp2, _ = step_times(model, 1, batch, pp=2)
+                print(f"batch {batch:3d}: step PP=2 {pp2 * 1e3:7.2f} ms (x{pp2 / one:.2f} of TP=1 x PP=1)", flush=True)
     for words in (6 + 7 * 1 + 1, 6 + 7 * 64 + 64):  # a packed decode step of batch 1 / 64, 1 block each
         one_way, half_trip = ping_pong(words)
         print(f"ring, {8 * words} bytes: one-way delivery {one_way * 1e6:.1f} us (median, stamped at the "

@@ -123,8 +123,12 @@ class RankWatchdog:
 
     def _accept_remote(self, server: socket.socket, expected: int) -> None:
         try:
-            for _ in range(expected):
-                remote = parallel_liveness.accept_one(server)
+            while len(self.remote) < expected:
+                try:
+                    remote = parallel_liveness.accept_one(server)
+                except (ConnectionError, ValueError) as e:  # not one of our ranks: keep waiting for them
+                    logger.warning("ignored a liveness connection: %s", e)
+                    continue
                 self.remote[remote.rank] = remote
                 logger.info("%s connected", remote.describe())
                 threading.Thread(target=self._watch_remote, args=(remote,), name=f"rank-{remote.rank}-watch",

@@ -63,10 +63,15 @@ def accept_one(server: socket.socket) -> RemoteRank:
     while not hello.endswith(b"\n"):
         chunk = conn.recv(HELLO_MAX_BYTES)
         if not chunk or len(hello) > HELLO_MAX_BYTES:
+            conn.close()
             raise ConnectionError(f"a rank connected from {addr} but did not introduce itself")
         hello += chunk
-    rank, host, pid = hello.decode().split()
-    return RemoteRank(int(rank), host, addr, int(pid), conn)
+    try:
+        rank, host, pid = hello.decode().split()
+        return RemoteRank(int(rank), host, addr, int(pid), conn)
+    except ValueError as e:
+        conn.close()
+        raise ValueError(f"a connection from {addr} sent {hello[:80]!r}, not 'rank host pid'") from e
 
 
 def is_closed(conn: socket.socket) -> bool:

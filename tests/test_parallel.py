@@ -3,12 +3,14 @@
 Each parallel engine starts real worker processes (gloo on loopback). Tiny random models keep it cheap.
 """
 
+import os
 import pathlib
 import threading
 
 import numpy as np
 import pytest
 import torch
+from conftest_server import free_port
 from tiny_models import make_tiny_model
 from tokenmill.engine import kv_memory
 from tokenmill.engine.config import EngineConfig
@@ -248,3 +250,29 @@ def test_shm_ring_names_the_rank_that_does_not_read_and_refuses_what_does_not_fi
         ring.write(np.array([2], dtype=np.int64), timeout_s=0.2)
     with pytest.raises(ValueError, match="a step of 72 bytes does not fit the 64-byte ring chunk"):
         ring.write(np.zeros(9, dtype=np.int64), timeout_s=1)
+
+
+def test_liveness_connection_names_the_rank_and_shows_when_it_closes():
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+    from tokenmill.engine import parallel_liveness
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    server = parallel_liveness.listen(store)
+    try:
+        stray = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+        stray.sendall(b"hello there\n")
+        with pytest.raises(ValueError, match=r"sent b'hello there\\n', not 'rank host pid'"):
+            parallel_liveness.accept_one(server)
+        conn = parallel_liveness.connect(store, "127.0.0.1", 5, timeout_s=30)
+        remote = parallel_liveness.accept_one(server)
+        assert remote.describe() == f"parallel rank 5 on host {socket.gethostname()} (127.0.0.1, pid {os.getpid()})"
+        assert not parallel_liveness.is_closed(remote.conn)
+        conn.close()  # what the kernel does when the rank's process dies
+        assert remote.conn.recv(1) == b""
+        assert parallel_liveness.is_closed(remote.conn)
+    finally:
+        server.close()
