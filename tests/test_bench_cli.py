@@ -17,6 +17,8 @@ from tokenmill.engine.bench.cli import main
         (["compare", "--dataset", "seed-sim", "--static-batch", "0"], "--static-batch must be at least 1, got 0"),
         (["throughput", "--dataset", "nope.jsonl"], "'nope.jsonl' is not a file"),
         (["throughput", "--dataset", "seed-sim", "--threads", "0"], "--threads must be at least 1, got 0"),
+        (["peers", "--workloads", "random,bogus"], "--workloads takes a comma list of random, prefix"),
+        (["peers", "--clients", "curl"], "--clients takes a comma list of vllm, tokenmill"),
     ],
 )
 def test_bad_input_exits_2_with_a_named_problem(argv, message, capsys):

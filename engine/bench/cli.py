@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run (at least 2 x concurrency)")
     p.add_argument("--out", default="bench-out/peers", help="folder for the JSON, the table and the plot")
     p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--workloads", default="random,prefix", help="comma list of random, prefix")
+    p.add_argument("--clients", default="vllm,tokenmill", help="comma list of vllm, tokenmill (bench serve)")
     return parser
 
 
@@ -339,9 +341,16 @@ def cmd_peers(args: argparse.Namespace) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not concurrencies or min(concurrencies) < 1:
         raise ValueError(f"--concurrency must list positive integers, got {args.concurrency!r}")
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    if not workloads or any(w not in peers.WORKLOADS for w in workloads):
+        raise ValueError(f"--workloads takes a comma list of {', '.join(peers.WORKLOADS)}; got {args.workloads!r}")
+    clients = tuple(c.strip() for c in args.clients.split(",") if c.strip())
+    if not clients or any(c not in peers.CLIENTS for c in clients):
+        raise ValueError(f"--clients takes a comma list of {', '.join(peers.CLIENTS)}; got {args.clients!r}")
     out = Path(args.out)
     rows = peers.run_peers(engines, concurrencies, args.num_prompts, out, _model_dir(None),
-                           str(bundled_gguf_path()), port=args.port)  # fmt: skip
+                           str(bundled_gguf_path()), port=args.port, workloads=workloads,
+                           clients=clients)  # fmt: skip
     table = peers.ratio_table(rows)
     machine = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     (out / "peers.md").write_text(peers.markdown(table))

@@ -137,7 +137,9 @@ class Workload:
     prefix_len: int = 0  # tokens every request shares (vLLM's --random-prefix-len)
 
 
-WORKLOADS = [Workload("random 128/128", 128, 128), Workload("shared prefix 512 + 128/128", 128, 128, 512)]
+WORKLOADS = {"random": Workload("random 128/128", 128, 128),
+             "prefix": Workload("shared prefix 512 + 128/128", 128, 128, 512)}  # fmt: skip
+CLIENTS = ("vllm", "tokenmill")
 
 
 def install(script: str) -> str:
@@ -174,20 +176,14 @@ def server_command(engine: str, port: int, hf_dir: str, gguf: str, vllm_bin: str
 
 
 def run_clients(
-    engine: str, url: str, vllm_bin: str, wl: Workload, concurrency: int, num_prompts: int, out_dir: Path
+    engine: str, url: str, vllm_bin: str, wl: Workload, concurrency: int, num_prompts: int, out_dir: Path,
+    clients: tuple[str, ...] = CLIENTS,
 ) -> list[PeerRow]:
     name = f"{engine}-{wl.prefix_len}-{concurrency}".replace(".", "")
-    subprocess.run([
-        f"{vllm_bin}/vllm", "bench", "serve", "--backend", "openai", "--base-url", url, "--model", "smollm2",
-        "--tokenizer", os.environ["TOKENMILL_PEERS_TOKENIZER"], "--dataset-name", "random",
-        "--random-input-len", str(wl.input_len), "--random-output-len", str(wl.output_len),
-        "--random-prefix-len", str(wl.prefix_len), "--ignore-eos", "--num-prompts", str(num_prompts),
-        "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(out_dir),
-        "--result-filename", f"{name}.vllm.json", "--disable-tqdm",
-    ], check=True)  # fmt: skip
-    rows = [row_from_result(engine, "vllm bench serve", wl.name, concurrency,
-                            json.loads((out_dir / f"{name}.vllm.json").read_text()))]
-    if wl.prefix_len == 0:  # our client's random dataset has no shared prefix
+    rows: list[PeerRow] = []
+    if "vllm" in clients:
+        rows += _run_vllm_client(engine, url, vllm_bin, wl, concurrency, num_prompts, out_dir, name)
+    if wl.prefix_len == 0 and "tokenmill" in clients:  # our client's random dataset has no shared prefix
         n_in = f"random:{num_prompts}:{wl.input_len}:{wl.output_len}"
         subprocess.run([sys.executable, "-m", "tokenmill.engine.cli", "bench", "serve", "--base-url", url,
                         "--model", "smollm2", "--dataset", n_in, "--max-concurrency", str(concurrency),
@@ -198,9 +194,25 @@ def run_clients(
     return rows
 
 
+def _run_vllm_client(
+    engine: str, url: str, vllm_bin: str, wl: Workload, concurrency: int, num_prompts: int, out_dir: Path, name: str
+) -> list[PeerRow]:
+    subprocess.run([
+        f"{vllm_bin}/vllm", "bench", "serve", "--backend", "openai", "--base-url", url, "--model", "smollm2",
+        "--tokenizer", os.environ["TOKENMILL_PEERS_TOKENIZER"], "--dataset-name", "random",
+        "--random-input-len", str(wl.input_len), "--random-output-len", str(wl.output_len),
+        "--random-prefix-len", str(wl.prefix_len), "--ignore-eos", "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(out_dir),
+        "--result-filename", f"{name}.vllm.json", "--disable-tqdm",
+    ], check=True)  # fmt: skip
+    return [row_from_result(engine, "vllm bench serve", wl.name, concurrency,
+                            json.loads((out_dir / f"{name}.vllm.json").read_text()))]
+
+
 def run_peers(
     engines: list[str], concurrencies: list[int], num_prompts: int, out_dir: Path, hf_dir: str, gguf: str,
-    port: int = 18700, ready_timeout_s: float = 900.0,
+    port: int = 18700, ready_timeout_s: float = 900.0, workloads: tuple[str, ...] = tuple(WORKLOADS),
+    clients: tuple[str, ...] = CLIENTS,
 ) -> list[PeerRow]:
     """Every engine in turn: start, wait ready, every workload x concurrency, stop."""
     vllm_bin = install("install_vllm.sh")  # the client is vLLM's, so it is needed for every engine
@@ -217,10 +229,12 @@ def run_peers(
         try:
             ready_s = _wait_ready(f"http://127.0.0.1:{port}", proc, ready_timeout_s)
             print(f"{engine}: ready in {ready_s:.0f}s", file=sys.stderr)
-            for wl in WORKLOADS:
+            for wl in (WORKLOADS[w] for w in workloads):
                 for c in concurrencies:
                     rows += run_clients(engine, f"http://127.0.0.1:{port}", vllm_bin, wl, c,
-                                        max(num_prompts, 2 * c), out_dir)  # fmt: skip
+                                        max(num_prompts, 2 * c), out_dir, clients)  # fmt: skip
+                    # Written after every run, so an interrupted table keeps what finished.
+                    (out_dir / "rows.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
         finally:
             proc.terminate()
             try:
