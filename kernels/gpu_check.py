@@ -11,8 +11,9 @@ What it does (figures go to docs/kernels.md):
 2. Decode replayed as a CUDA graph equals eager decode.
 3. Timing: decode kernel time, achieved GB/s of K/V read vs the device's copy bandwidth, and
    torch SDPA over the same K/V gathered into contiguous (unpaged) tensors.
-4. Tensor parallel (gpu_check_tp.py): NCCL all-reduce bandwidth and TP=2 greedy parity; skipped with
-   fewer than 2 GPUs.
+4. Tensor parallel (gpu_check_tp.py): NCCL all-reduce bandwidth, a decode-sized all-reduce eager and
+   in a CUDA graph, TP=2 greedy parity eager and with per-rank CUDA graphs; skipped with fewer than
+   2 GPUs (never run yet: no multi-GPU machine has been lent).
 Exit status: 0 all checks pass, 1 a check failed, 2 no CUDA device.
 """
 
