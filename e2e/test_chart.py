@@ -106,8 +106,27 @@ def test_cluster_wide_mode_renders_a_cluster_role_and_a_restricted_single_operat
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     resources = {r for rule in role["rules"] for r in rule["resources"]}
-    assert "secrets" not in resources and "nodes" not in resources
+    assert "nodes" not in resources
     assert not [r for r in role["rules"] if "*" in r["verbs"] or "*" in r["resources"]]
+    # Secrets: `get` of the ones named hf-token only (rbac.secretNames), never all of them.
+    [secrets] = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secrets == {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["hf-token"], "verbs": ["get"]}
+
+
+@pytest.mark.parametrize(("values", "names"), [
+    (["--set-json", "rbac.secretNames=[]"], None),
+    (["--set-json", 'rbac.secretNames=["hf-token","chat-keys"]'], ["hf-token", "chat-keys"]),
+    (["--set", "rbac.readSecretsClusterWide=true"], "all"),
+    (["--set", "rbac.readSecrets=false"], None),
+])
+def test_cluster_wide_secret_access_follows_the_values(tools: Tools, values: list[str], names) -> None:
+    role = next(d for d in _docs(_template(tools, *values).stdout) if d["kind"] == "ClusterRole")
+    rules = [r for r in role["rules"] if "secrets" in r["resources"]]
+    if names is None:
+        assert rules == []
+    else:
+        [rule] = rules
+        assert rule["verbs"] == ["get"] and rule.get("resourceNames", "all") == names
 
 
 def test_namespaced_mode_renders_a_role_per_namespace_and_nothing_cluster_wide(tools: Tools) -> None:

@@ -128,6 +128,11 @@ def test_operator_token_cannot_read_secrets_in_other_namespaces(cluster: Cluster
     assert proc.returncode != 0
     assert "Forbidden" in proc.stderr and "cannot get resource \"secrets\"" in proc.stderr, proc.stderr
     assert "hunter2" not in proc.stdout
+    # The one name the chart's default grants (rbac.secretNames: the Hugging Face token), by name only.
+    cluster.kubectl("create", "secret", "generic", "hf-token", "-n", namespace, "--from-literal=HF_TOKEN=hf_x")
+    assert kubectl_as(cluster, kubeconfig, "get", "secret", "hf-token", "-n", namespace, "-o", "name").returncode == 0
+    listed = kubectl_as(cluster, kubeconfig, "get", "secrets", "-n", namespace)
+    assert listed.returncode != 0 and "cannot list resource \"secrets\"" in listed.stderr, listed.stderr
 
 
 def test_namespaced_mode_operator_serves_only_its_namespaces(cluster: Cluster, operator: OperatorProcess,

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 from cluster import Cluster
-from e2e_helpers import ISVC, apply, get
+from e2e_helpers import ISVC, OperatorProcess, apply, condition, get, wait_for
 
 # The CRD comes from the chart (helm installs crds/ first), as it would for a user.
 pytestmark = pytest.mark.usefixtures("chart_release")
@@ -52,7 +52,15 @@ CASES = {
     "prometheus metrics without a URL": (
         with_spec(replicas=None, scaling={"minReplicas": 1, "maxReplicas": 2, "metrics": {"source": "prometheus"}}),
         "scaling.metrics.url is required when source is prometheus"),
-    "GPU count that is not a power of two": (with_spec(resources__gpu__count=3), "spec.resources.gpu.count"),
+    # The bundled model's shape is known at admission: its 9 heads split only by 1 or 3 (CEL, with the count).
+    "GPU count that does not split the bundled model's heads": (
+        with_spec(resources__gpu__count=2),
+        "gpu.count 2 cannot split bundled://smollm2-135m-instruct (9 attention heads, 3 KV heads, MLP width "
+        "1536; each tensor parallel rank needs whole heads): use 1 or 3"),
+    "GPU count beyond one node": (
+        with_spec(resources__gpu__count=16), "spec.resources.gpu.count in body should be less than or equal to 8"),
+    "GPU count of zero": (
+        with_spec(resources__gpu__count=0), "spec.resources.gpu.count in body should be greater than or equal to 1"),
 }
 
 
@@ -62,6 +70,31 @@ def test_the_valid_base_manifest_is_accepted(cluster: Cluster, module_namespace:
     assert proc.returncode == 0, proc.stderr
     assert get(cluster, ISVC, "chat", module_namespace) is not None
     cluster.kubectl("delete", ISVC, "chat", "-n", module_namespace)
+
+
+@pytest.mark.parametrize(("uri", "count"), [("bundled://smollm2-135m-instruct", 3), ("hf://acme/chat", 3)])
+def test_gpu_counts_that_are_not_powers_of_two_are_accepted(cluster: Cluster, module_namespace: str, uri: str,
+                                                             count: int) -> None:
+    """3 splits the bundled model's 9 heads; for a model the CRD cannot see, sizing decides (below)."""
+    proc = apply(cluster, with_spec(model__uri=uri, resources__gpu__count=count), module_namespace, check=False)
+    assert proc.returncode == 0, proc.stderr
+    cluster.kubectl("delete", ISVC, "chat", "-n", module_namespace)
+
+
+def test_gpu_count_the_model_cannot_split_is_a_condition_naming_the_numbers(
+        cluster: Cluster, operator: OperatorProcess, namespace: str) -> None:
+    """Llama-3.1-8B (a catalog model: 32 attention heads, baked into the image at a path) at gpu.count 3: admitted, then Sized=False and
+    Stalled=True with reason InvalidGPUCount, the heads and the counts that work, and no Deployment."""
+    apply(cluster, with_spec(model__uri="file:///models/Llama-3.1-8B-Instruct", resources__gpu__count=3), namespace)
+    obj = wait_for(lambda: (o := get(cluster, ISVC, "chat", namespace))
+                   and (condition(o, "Stalled") or {}).get("status") == "True" and o, "Stalled with the sizing reason",
+                   timeout=60)
+    sized = condition(obj, "Sized")
+    assert (sized["status"], sized["reason"]) == ("False", "InvalidGPUCount"), sized
+    assert "gpu.count 3 cannot split Llama-3.1-8B evenly (32 attention heads, 8 KV heads, MLP width 14336" in \
+        sized["message"] and sized["message"].endswith("use 1, 2, 4 or 8"), sized["message"]
+    assert condition(obj, "Stalled")["reason"] == "InvalidGPUCount"
+    assert get(cluster, "deployment", "chat", namespace) is None
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -12,6 +12,7 @@ import ipaddress
 from pathlib import Path
 
 import httpx
+import openai
 from cluster import Cluster
 from e2e_helpers import (
     ISVC,
@@ -300,4 +301,60 @@ def test_other_runnable_examples_reach_ready_on_real_probes(
     ns, name = where["autoscaled.yaml"]
     wait_for(lambda: (c := condition(get(cluster, ISVC, name, ns), "ScalingActive")) and c["status"] == "True" and c,
              "ScalingActive=True from the engines' metrics", timeout=60)
+    assert pod_runner.all_errors() == []
+
+
+def rank_processes(parent: int) -> dict[int, list[str]]:
+    """The engine's local worker ranks (children of `parent` running tokenmill.engine.parallel_worker),
+    by their --rank."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = proc_argv(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "tokenmill.engine.parallel_worker" in argv:
+            ranks[int(argv[argv.index("--rank") + 1])] = argv
+    return ranks
+
+
+def test_tensor_parallel_example_runs_three_ranks_and_answers(
+        cluster: Cluster, operator: OperatorProcess, pod_runner: PodRunner, namespace: str) -> None:
+    """examples/bundled-tensor-parallel.yaml (gpu.count 3): the plan is TP 3 on one pod, the pod runs the
+    Deployment's `tokenmill serve --tensor-parallel-size 3`, which starts two more ranks (3 CPU processes,
+    gloo; deviation 1), and the official openai client gets a completion from it."""
+    [isvc] = [with_runner(d) for d in example("bundled-tensor-parallel.yaml", namespace)]
+    name = isvc["metadata"]["name"]
+    apply(cluster, isvc)
+    obj, seen = wait_ready_sampling_kstatus(cluster, namespace, name)
+    assert seen[-1][2] == "Current", seen
+    sizing = obj["status"]["sizing"]
+    assert (sizing["tensorParallelSize"], sizing["pipelineParallelSize"], sizing["nodesPerReplica"],
+            sizing["gpusPerReplica"]) == (3, 1, 1, 3), sizing
+    # 1 of the 3 KV heads per rank: K and V x 30 layers x 1 head x 64 x 2 bytes (bfloat16).
+    assert sizing["kvBytesPerToken"] == 2 * 30 * 1 * 64 * 2
+
+    [pod] = runner_pods(cluster, namespace, name)
+    assert pod["spec"]["nodeName"] == "gpu-l4-0"  # the one node with L4s (4 GPUs)
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "3"
+    assert_runs_deployment_argv(cluster, pod_runner, namespace, name, pod)
+    run = pod_runner.worker(namespace, pod["metadata"]["name"]).containers[0]
+    argv = proc_argv(run.pid)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "3", argv
+    ranks = rank_processes(run.pid)
+    assert sorted(ranks) == [1, 2], ranks
+    for rank_argv in ranks.values():
+        assert rank_argv[rank_argv.index("--tensor-parallel-size") + 1] == "3"
+        assert rank_argv[rank_argv.index("--device") + 1] == "cpu"
+
+    args = pod["spec"]["containers"][0]["args"]
+    client = openai.OpenAI(base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="unused", max_retries=0,
+                           timeout=600)
+    rsp = client.completions.create(model=args[args.index("--served-model-name") + 1],
+                                    prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert rsp.choices[0].text and rsp.usage.completion_tokens >= 1, rsp
+    assert set(rank_processes(run.pid)) == {1, 2}  # the ranks served it and are still up
     assert pod_runner.all_errors() == []

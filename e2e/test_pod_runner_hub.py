@@ -11,6 +11,7 @@ The session's operator is replaced for this module by one with --hf-endpoint.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,18 +139,22 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
 def test_gated_hub_model_downloads_with_the_token_secret_and_answers(
         cluster: Cluster, hub_operator: OperatorProcess, pod_runner: PodRunner, hub: HubStandin,
         namespace: str) -> None:
+    """A gated repo the catalog lacks, with the chart's default RBAC (helm install, the operator on its
+    ServiceAccount's token): `get` on Secrets named hf-token lets the operator read the token and size the
+    model from its config.json; the engine downloads with the same token."""
     cluster.kubectl("create", "secret", "generic", "hf-token", f"--from-literal=HF_TOKEN={TOKEN}", "-n", namespace)
     hub.reset_log()
     apply(cluster, with_runner({
         "apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "gated"},
-        # The chart's default RBAC lets the operator read no Secret, so it cannot fetch a gated config.json
-        # (it says so: GatedModel, naming rbac.readSecrets); the profile names the numbers instead.
-        "spec": {"model": {"uri": f"hf://{GATED}@v1", "tokenSecretRef": {"name": "hf-token"},
-                           "profile": {"base": "SmolLM2-135M"}},
+        "spec": {"model": {"uri": f"hf://{GATED}@v1", "tokenSecretRef": {"name": "hf-token"}},
                  "resources": {"gpu": {"type": "nvidia-l4", "count": 1}}, "replicas": 1}}), namespace)
     obj, _ = wait_ready_sampling_kstatus(cluster, namespace, "gated")
-    assert obj["status"]["sizing"]["profileSource"] != "hub", obj["status"]["sizing"]  # no config.json read
+    sizing = obj["status"]["sizing"]
+    assert sizing["profileSource"] == "hub", sizing  # sized from the gated config.json, read with the token
+    assert sizing["hub"]["commit"] == hub.gated_sha and sizing["hub"]["gated"] is True, sizing["hub"]
     assert (condition(obj, "Stalled") or {}).get("status") != "True", obj["status"]["conditions"]
+    config_gets = [r for r in hub.requests(GATED, "GET") if r.filename == "config.json" and r.status == 200]
+    assert config_gets and all(r.authorization for r in config_gets), hub.requests(GATED)
     [pod] = runner_pods(cluster, namespace, "gated")
     assert_runs_deployment_argv(cluster, pod_runner, namespace, "gated", pod)
     assert environ(engine_pid(pod_runner, pod))["HF_TOKEN"] == TOKEN  # from the Secret, as the kubelet does
@@ -159,3 +164,23 @@ def test_gated_hub_model_downloads_with_the_token_secret_and_answers(
     weights = [r for r in hub.requests(GATED, "GET") if r.filename == WEIGHTS and r.status == 200]
     assert len(weights) == 1 and weights[0].authorization, hub.requests(GATED)
     assert pod_runner.all_errors() == []
+
+
+def test_gated_hub_model_with_a_secret_outside_the_chart_rbac_says_what_to_grant(
+        cluster: Cluster, hub_operator: OperatorProcess, namespace: str) -> None:
+    """The same repo with its token in a Secret the default RBAC does not name: the API server refuses the
+    operator's read (a real 403), so it cannot fetch config.json and stalls with GatedModel naming the
+    chart value, before any pod."""
+    cluster.kubectl("create", "secret", "generic", "team-token", f"--from-literal=HF_TOKEN={TOKEN}", "-n", namespace)
+    apply(cluster, {
+        "apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "gated"},
+        "spec": {"model": {"uri": f"hf://{GATED}@v1", "tokenSecretRef": {"name": "team-token"}},
+                 "resources": {"gpu": {"type": "nvidia-l4", "count": 1}}, "replicas": 1}}, namespace)
+    obj = wait_for(lambda: (o := get(cluster, ISVC, "gated", namespace))
+                   and (condition(o, "Stalled") or {}).get("status") == "True" and o, "Stalled", timeout=90)
+    sized = condition(obj, "Sized")
+    assert (sized["status"], sized["reason"]) == ("False", "GatedModel"), sized
+    assert "may not read Secret team-token" in sized["message"], sized["message"]
+    assert "add team-token to the chart value rbac.secretNames" in sized["message"], sized["message"]
+    assert TOKEN not in json.dumps(obj)
+    assert get(cluster, "deployment", "gated", namespace) is None

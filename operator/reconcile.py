@@ -263,9 +263,9 @@ def _hub_lookup(api, spec, config: OperatorConfig):
             if not with_config:
                 return None  # the pods get the token; the catalog sizes the model
             name = spec.token_secret[0]
-            raise HubError("GatedModel", f"{e}; the operator may not read Secret {name} to fetch config.json "
-                                         "(grant it get on Secrets: chart values rbac.readSecrets / "
-                                         "readSecretsClusterWide) or set spec.model.profile") from None
+            raise HubError("GatedModel", f"{e}; the operator may not read Secret {name} to fetch config.json: "
+                                         f"add {name} to the chart value rbac.secretNames (default [hf-token]), "
+                                         "or set spec.model.profile") from None
 
     return lookup
 

@@ -80,23 +80,28 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def valid_tensor_parallel_sizes(profile: ModelProfile, max_size: int = MAX_TENSOR_PARALLEL_SIZE) -> list[int]:
-    """Powers of two up to one node that the engine can split the model by: its own rule
+    """Every tensor parallel size up to one node that the engine can split the model by: its own rule
     (parallel_check.tp_fits_model: heads and MLP width divide, KV heads split or replicated), so the
-    operator never plans a TP the engine refuses."""
-    sizes = []
-    tp = 1
-    while tp <= min(max_size, MAX_TENSOR_PARALLEL_SIZE):
-        p = profile
-        if tp_fits_model(p.num_attention_heads, p.num_key_value_heads, p.intermediate_size, tp):
-            sizes.append(tp)
-        tp *= 2
-    return sizes
+    operator never plans a TP the engine refuses. An explicit gpu.count may be any of these."""
+    p = profile
+    return [
+        tp for tp in range(1, min(max_size, MAX_TENSOR_PARALLEL_SIZE) + 1)
+        if tp_fits_model(p.num_attention_heads, p.num_key_value_heads, p.intermediate_size, tp)
+    ]  # fmt: skip
+
+
+def auto_tensor_parallel_sizes(profile: ModelProfile, gpus_per_node: int) -> list[int]:
+    """The sizes automatic sizing tries: the valid ones that divide a node's GPUs (1, 2, 4, 8 on 8-GPU
+    nodes). Replicas then tile a node with no GPU left stranded (three TP-3 pods leave 2 of 8 idle), and
+    they match the NVLink/NVSwitch partitions and NCCL rings that GPU nodes are built around."""
+    return [tp for tp in valid_tensor_parallel_sizes(profile, gpus_per_node) if gpus_per_node % tp == 0]
 
 
 def layouts(profile: ModelProfile, gpu: GPUType) -> list[tuple[int, int]]:
-    """(tensor parallel, pipeline parallel) candidates, fewest GPUs first: one node with each valid TP,
-    then 2..MAX_NODES_PER_REPLICA nodes with the largest TP that fits a node (every GPU of the node)."""
-    single = valid_tensor_parallel_sizes(profile, gpu.gpus_per_node)
+    """(tensor parallel, pipeline parallel) candidates, fewest GPUs first: one node with each automatic
+    TP, then 2..MAX_NODES_PER_REPLICA nodes with the largest automatic TP (the node's GPUs, or the most
+    of them the model splits by)."""
+    single = auto_tensor_parallel_sizes(profile, gpu.gpus_per_node)
     stages = range(2, min(MAX_NODES_PER_REPLICA, profile.num_hidden_layers) + 1)
     return [(tp, 1) for tp in single] + [(single[-1], pp) for pp in stages]
 
@@ -134,7 +139,7 @@ def plan(
 ) -> SizingPlan:
     """Size `profile` on `gpu`; gpu_count None picks the fewest GPUs that fit."""
     dtype = resolve_dtype(settings.dtype)
-    valid = valid_tensor_parallel_sizes(profile, gpu.gpus_per_node)
+    valid = valid_tensor_parallel_sizes(profile, gpu.gpus_per_node)  # what an explicit gpu.count may be
     if settings.max_model_len is not None and settings.max_model_len > profile.max_position_embeddings:
         return _plan_at(profile, gpu, settings, dtype, gpu_count or valid[0]).with_reason(
             "MaxModelLenTooLarge",
@@ -142,11 +147,19 @@ def plan(
             f"({profile.max_position_embeddings} positions): set maxModelLen to at most "
             f"{profile.max_position_embeddings} or auto",
         )
+    if gpu_count is not None and gpu_count > gpu.gpus_per_node:
+        return _plan_at(profile, gpu, settings, dtype, gpu_count).with_reason(
+            "InvalidGPUCount",
+            f"gpu.count {gpu_count} is more than the {gpu.gpus_per_node} GPUs of one {gpu.name} node (a "
+            f"replica's tensor parallel group stays on one node): use {_or_list(valid)}, or omit gpu.count "
+            "to let a replica span nodes",
+        )
     if gpu_count is not None and gpu_count not in valid:
         return _plan_at(profile, gpu, settings, dtype, gpu_count).with_reason(
             "InvalidGPUCount",
-            f"gpu.count {gpu_count} cannot split {profile.name} ({profile.num_attention_heads} attention "
-            f"heads, {profile.num_key_value_heads} KV heads) evenly: use {_or_list(valid)}",
+            f"gpu.count {gpu_count} cannot split {profile.name} evenly ({profile.num_attention_heads} attention "
+            f"heads, {profile.num_key_value_heads} KV heads, MLP width {profile.intermediate_size}; each "
+            f"tensor parallel rank needs whole heads): use {_or_list(valid)}",
         )
     last = None
     for tp, pp in [(gpu_count, 1)] if gpu_count is not None else layouts(profile, gpu):

@@ -19,7 +19,9 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 MODEL_SCHEMES = ("bundled", "pvc", "hf", "file")
 BUNDLED_MODELS = ("smollm2-135m-instruct",)
-VALID_GPU_COUNTS = (1, 2, 4, 8)
+# gpu.count is any count of one node's GPUs (the CRD's maximum); whether it splits the model's heads is
+# sizing's check (Sized=False, reason InvalidGPUCount), and the CRD's for the bundled model.
+MAX_GPU_COUNT = max(g.gpus_per_node for g in GPU_TYPES.values())
 # The Hub's repo id rules (ORG/NAME of letters, digits, '-', '_', '.'), then an optional @REVISION: a
 # branch, a tag or a commit sha. The CRD's CEL rule is the same pattern.
 HF_URI = re.compile(r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$")
@@ -207,8 +209,8 @@ def _parse(body: dict) -> ServiceSpec:
     if gpu_type not in GPU_TYPES:
         raise SpecError(f"spec.resources.gpu.type {gpu_type!r} is not one of {', '.join(GPU_TYPES)}")
     gpu_count = get("resources.gpu.count")
-    if gpu_count is not None and _int(gpu_count, "spec.resources.gpu.count", 1) not in VALID_GPU_COUNTS:
-        raise SpecError(f"spec.resources.gpu.count must be 1, 2, 4 or 8, got {gpu_count}")
+    if gpu_count is not None and _int(gpu_count, "spec.resources.gpu.count", 1) > MAX_GPU_COUNT:
+        raise SpecError(f"spec.resources.gpu.count must be 1 to {MAX_GPU_COUNT} (the GPUs of one node), got {gpu_count}")
 
     replicas = spec.get("replicas")
     scaling_spec = spec.get("scaling")

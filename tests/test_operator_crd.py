@@ -6,11 +6,22 @@ field the parser reads exists in the schema.
 """
 
 import pathlib
+import re
 
 import pytest
 import yaml
-from tokenmill.operator.catalog import GPU_TYPES
-from tokenmill.operator.spec import DEFAULTS, GROUP, KIND, PLURAL, VERSION, parse_inference_service
+from tokenmill.operator.catalog import GPU_TYPES, find_model_profile
+from tokenmill.operator.sizing import valid_tensor_parallel_sizes
+from tokenmill.operator.spec import (
+    BUNDLED_MODELS,
+    DEFAULTS,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    SpecError,
+    parse_inference_service,
+)
 
 CRDS = pathlib.Path(__file__).resolve().parent.parent / "crds"
 
@@ -64,7 +75,26 @@ def test_group_version_kind(crd, version):
 def test_gpu_type_enum_is_the_catalog(spec_schema):
     gpu = spec_schema["properties"]["resources"]["properties"]["gpu"]["properties"]
     assert gpu["type"]["enum"] == list(GPU_TYPES)
-    assert gpu["count"]["enum"] == [1, 2, 4, 8]
+    # Any count of one node's GPUs: the largest node in the catalog bounds it; sizing checks the model.
+    assert "enum" not in gpu["count"]
+    assert (gpu["count"]["minimum"], gpu["count"]["maximum"]) == (1, max(g.gpus_per_node for g in GPU_TYPES.values()))
+
+
+def test_bundled_model_gpu_count_rule_is_the_sizing_rule(spec_schema):
+    """The CEL rule that refuses a gpu.count the bundled model's heads cannot split lists exactly the counts
+    sizing (and so the engine's parallel_check) accepts, and its messages name the model's numbers."""
+    [rule] = [r for r in spec_schema["x-kubernetes-validations"] if "resources.gpu.count" in r["rule"]]
+    profile = find_model_profile(f"bundled://{BUNDLED_MODELS[0]}")
+    valid = valid_tensor_parallel_sizes(profile, spec_schema["properties"]["resources"]["properties"]["gpu"][
+        "properties"]["count"]["maximum"])
+    assert valid == [1, 3]
+    listed = re.search(r"self\.resources\.gpu\.count in \[([0-9, ]+)\]", rule["rule"]).group(1)
+    assert [int(x) for x in listed.split(",")] == valid
+    assert f"'bundled://{BUNDLED_MODELS[0]}'" in rule["rule"] and len(BUNDLED_MODELS) == 1
+    numbers = (f"{profile.num_attention_heads} attention heads, {profile.num_key_value_heads} KV heads, "
+               f"MLP width {profile.intermediate_size}")
+    for text in (rule["message"], rule["messageExpression"]):
+        assert numbers in text and text.endswith("use 1 or 3" + ("'" if text is rule["messageExpression"] else ""))
 
 
 @pytest.mark.parametrize("name", ["inferenceservices.serving.tokenmill.dev.yaml", "kopfpeerings.kopf.dev.yaml",
@@ -211,6 +241,16 @@ def test_every_schema_field_is_read_by_the_parser(spec_schema):
     assert spec.token_secret == ("hf-token", "HF_TOKEN") and spec.cache.storage_class == "fast-rwx"
     obj["spec"]["model"]["cache"] = {"claimName": "shared-models"}
     assert parse_inference_service(obj).cache.claim_name == "shared-models"
+
+
+def test_parser_takes_any_count_of_one_node_and_refuses_more():
+    obj = full_object()
+    obj["spec"]["resources"]["gpu"]["count"] = 3  # not a power of two: the model decides (sizing)
+    assert parse_inference_service(obj).gpu_count == 3
+    for bad, words in ((9, "must be 1 to 8 (the GPUs of one node), got 9"), (0, "must be at least 1, got 0")):
+        obj["spec"]["resources"]["gpu"]["count"] = bad
+        with pytest.raises(SpecError, match=re.escape(f"spec.resources.gpu.count {words}")):
+            parse_inference_service(obj)
 
 
 def test_peering_crds_match_kopf():

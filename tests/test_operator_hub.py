@@ -233,7 +233,7 @@ def test_the_cache_claim_is_created_shared_and_removed_with_the_spec(tmp_path):
 
 
 def test_a_token_the_operator_may_not_read(hub, tmp_path):
-    """Cluster-wide mode without Secret reads (the chart's default): the pods still get the token, so a
+    """A Secret the operator may not read (cluster-wide mode, a name outside rbac.secretNames): the pods still get the token, so a
     gated catalog model goes ahead; one that needs config.json says what to grant."""
     api = SecretApi()
     api.secrets_forbidden = True
@@ -247,3 +247,4 @@ def test_a_token_the_operator_may_not_read(hub, tmp_path):
     add_isvc(api, hf_spec("hf://acme/gated-chat", tokenSecretRef={"name": "hf"}))
     sized = cond(reconcile(api, config), "Sized")
     assert sized["reason"] == "GatedModel" and "may not read Secret hf" in sized["message"]
+    assert "add hf to the chart value rbac.secretNames" in sized["message"]

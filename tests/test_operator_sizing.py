@@ -5,11 +5,18 @@ Expectations are written out from the models' config.json numbers and the docume
 literal anchors were computed by hand (the working is in the comments).
 """
 
+import dataclasses
 import math
 
 import pytest
+from tokenmill.engine.parallel_check import check_parallel_model
 from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES, ModelProfile
-from tokenmill.operator.sizing import EngineSettings, plan, valid_tensor_parallel_sizes
+from tokenmill.operator.sizing import (
+    EngineSettings,
+    auto_tensor_parallel_sizes,
+    plan,
+    valid_tensor_parallel_sizes,
+)
 
 GiB = 2**30
 
@@ -178,18 +185,75 @@ def test_invalid_gpu_count_lists_the_valid_ones():
     assert "28 attention heads" in p.message and "use 1, 2 or 4" in p.message
 
 
-def _shape(heads, kv):
-    return ModelProfile("x", 10**9, 4, 1024, heads, kv, 64, 2048, 32000, 4096)
+def test_bundled_model_at_gpu_count_two_names_its_heads_and_the_counts_that_work():
+    p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"], gpu_count=2)
+    assert not p.feasible and p.reason == "InvalidGPUCount"
+    assert "gpu.count 2 cannot split SmolLM2-135M evenly" in p.message
+    assert "9 attention heads, 3 KV heads, MLP width 1536" in p.message and p.message.endswith("use 1 or 3")
+
+
+def test_bundled_model_at_gpu_count_three_is_a_tensor_parallel_plan():
+    # TP 3: 3 of the 9 heads and 1 of the 3 KV heads per rank: 2 x 30 x 1 x 64 x 2 = 7,680 bytes/token;
+    # weights 269,030,016 / 3 = 89,676,672 per GPU
+    p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"], gpu_count=3)
+    assert p.feasible and p.reason == "Fits", p.message
+    assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.nodes_per_replica, p.gpus_per_replica) == (3, 1, 1, 3)
+    assert p.kv_bytes_per_token == 7_680 and p.weights_bytes_per_gpu == 89_676_672
+    ok, blocks, mml, seqs = reference("SmolLM2-135M", "nvidia-l4", 3)
+    assert (p.feasible, p.kv_blocks, p.max_model_len, p.max_num_seqs) == (ok, blocks, mml, seqs)
+
+
+def test_gpu_count_beyond_one_node_is_refused_by_sizing():
+    p = plan(MODEL_PROFILES["Llama-3.1-70B"], GPU_TYPES["nvidia-h100-80gb"], gpu_count=16)
+    assert not p.feasible and p.reason == "InvalidGPUCount"
+    assert "gpu.count 16 is more than the 8 GPUs of one nvidia-h100-80gb node" in p.message
+    assert "use 1, 2, 4 or 8" in p.message and "omit gpu.count" in p.message
+
+
+def _shape(heads, kv, intermediate=2048):
+    return ModelProfile("x", 10**9, 4, 1024, heads, kv, 64, intermediate, 32000, 4096)
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv", "valid"),
-    [(9, 3, [1]), (28, 4, [1, 2, 4]), (64, 8, [1, 2, 4, 8]), (32, 2, [1, 2, 4, 8]), (14, 2, [1, 2]),
-     (12, 12, [1, 2, 4]), (40, 8, [1, 2, 4, 8])],
+    ("heads", "kv", "intermediate", "valid", "auto"),
+    [(9, 3, 1536, [1, 3], [1]), (28, 4, 18944, [1, 2, 4], [1, 2, 4]), (64, 8, 28672, [1, 2, 4, 8], [1, 2, 4, 8]),
+     (32, 2, 2048, [1, 2, 4, 8], [1, 2, 4, 8]), (14, 2, 2048, [1, 2], [1, 2]), (12, 12, 2048, [1, 2, 4], [1, 2, 4]),
+     (12, 12, 3072, [1, 2, 3, 4, 6], [1, 2, 4]), (40, 8, 2048, [1, 2, 4, 8], [1, 2, 4, 8]),
+     (24, 8, 6144, [1, 2, 4, 8], [1, 2, 4, 8]), (6, 6, 1536, [1, 2, 3, 6], [1, 2]), (7, 7, 1400, [1, 7], [1])],
 )
-def test_tensor_parallel_degrees_are_powers_of_two_dividing_the_heads(heads, kv, valid):
-    # 32 heads / 2 KV heads at TP 4 or 8: each rank gets 8 or 4 query heads and a replica of one KV head
-    assert valid_tensor_parallel_sizes(_shape(heads, kv)) == valid
+def test_tensor_parallel_sizes_split_the_heads_and_auto_tiles_the_node(heads, kv, intermediate, valid, auto):
+    # 32 heads / 2 KV heads at TP 4 or 8: each rank gets 8 or 4 query heads and a replica of one KV head.
+    # 24 heads / 8 KV heads at TP 3 or 6: the 8 KV heads neither split nor replicate evenly.
+    profile = _shape(heads, kv, intermediate)
+    assert valid_tensor_parallel_sizes(profile, 8) == valid
+    assert auto_tensor_parallel_sizes(profile, 8) == auto
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 1536), (28, 4, 18944), (12, 12, 3072), (24, 8, 6144), (6, 6, 1536), (7, 7, 1400)])
+def test_sizing_accepts_exactly_the_counts_the_engine_accepts(shape):
+    """An explicit gpu.count is planned iff the engine's own check (parallel_check.check_parallel_model,
+    run by `tokenmill serve` and the engine core) accepts it as --tensor-parallel-size."""
+    heads, kv, intermediate = shape
+    for count in range(1, 9):
+        p = plan(_shape(heads, kv, intermediate), GPU_TYPES["nvidia-h200-141gb"], gpu_count=count)
+        try:
+            check_parallel_model(count, 1, heads, kv, intermediate, 4)
+            engine_ok = True
+        except ValueError:
+            engine_ok = False
+        assert (p.reason != "InvalidGPUCount") == engine_ok, (shape, count, p.message)
+
+
+def test_auto_sizing_of_a_nine_head_model_spans_nodes_instead_of_tp_three():
+    """Auto sizing never picks TP 3 (it would strand 2 of a node's 8 GPUs): the bundled model's shape
+    declared as 50B parameters plans PP 2 over two nodes (what e2e/test_multinode.py runs)."""
+    big = dataclasses.replace(MODEL_PROFILES["SmolLM2-135M"], num_parameters=50_000_000_000)
+    p = plan(big, GPU_TYPES["nvidia-h100-80gb"])
+    assert p.feasible, p.message
+    assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.nodes_per_replica) == (1, 2, 2)
+    # The same model with TP 3 asked for explicitly fits one node (100 GB / 3 per GPU).
+    explicit = plan(big, GPU_TYPES["nvidia-h100-80gb"], gpu_count=3)
+    assert explicit.feasible and explicit.nodes_per_replica == 1 and explicit.tensor_parallel_size == 3
 
 
 def test_explicit_max_num_seqs_raises_the_sampler_overhead():
