@@ -75,7 +75,7 @@ POD_DNS_NAME = re.compile(rf"(?P<host>{_LABEL})\.(?P<subdomain>{_LABEL})\.(?P<na
 
 DEVIATIONS = (
     "device: no GPU; the nvidia.com/gpu limit is not backed by a device and the engine's --device auto "
-    "picks the CPU",
+    "picks the CPU (a --tensor-parallel-size N engine then runs N CPU processes over gloo instead of NCCL)",
     f"KV pool: a --kv-cache-memory above {KV_CACHE_CAP_BYTES} bytes is lowered to {KV_CACHE_CAP_BYTES}",
     "bind address: --host 0.0.0.0 becomes --host <pod IP> (a loopback address), so each pod has its own "
     "port space and nothing listens beyond loopback",

@@ -52,11 +52,11 @@ CASES = {
     "prometheus metrics without a URL": (
         with_spec(replicas=None, scaling={"minReplicas": 1, "maxReplicas": 2, "metrics": {"source": "prometheus"}}),
         "scaling.metrics.url is required when source is prometheus"),
-    # The bundled model's shape is known at admission: its 9 heads split only by 1 or 3 (CEL, with the count).
+    # The bundled model's shape is known at admission: its 9 heads split only by 1 or 3 (CEL).
     "GPU count that does not split the bundled model's heads": (
         with_spec(resources__gpu__count=2),
-        "gpu.count 2 cannot split bundled://smollm2-135m-instruct (9 attention heads, 3 KV heads, MLP width "
-        "1536; each tensor parallel rank needs whole heads): use 1 or 3"),
+        "spec.resources.gpu.count: Invalid value: gpu.count must be 1 or 3 for bundled://smollm2-135m-instruct "
+        "(9 attention heads, 3 KV heads, MLP width 1536; each tensor parallel rank needs whole heads)"),
     "GPU count beyond one node": (
         with_spec(resources__gpu__count=16), "spec.resources.gpu.count in body should be less than or equal to 8"),
     "GPU count of zero": (

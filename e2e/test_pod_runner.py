@@ -212,6 +212,15 @@ def completion(pod: dict, headers: dict | None = None) -> httpx.Response:
                                  "temperature": 0}, headers=headers or {}, timeout=600)
 
 
+def openai_completion(pod: dict):
+    """The same request as completion(), through the official openai client."""
+    args = pod["spec"]["containers"][0]["args"]
+    client = openai.OpenAI(base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="unused", max_retries=0,
+                           timeout=600)
+    return client.completions.create(model=args[args.index("--served-model-name") + 1],
+                                     prompt="The capital of France is", max_tokens=8, temperature=0)
+
+
 def assert_runs_deployment_argv(cluster: Cluster, runner: PodRunner, namespace: str, name: str,
                                 pod: dict) -> None:
     """The process behind the pod is the Deployment's own command + args (see assert_runs_container_argv)."""
@@ -304,27 +313,34 @@ def test_other_runnable_examples_reach_ready_on_real_probes(
     assert pod_runner.all_errors() == []
 
 
-def rank_processes(parent: int) -> dict[int, list[str]]:
-    """The engine's local worker ranks (children of `parent` running tokenmill.engine.parallel_worker),
-    by their --rank."""
-    ranks = {}
+def rank_processes(root: int) -> dict[int, list[str]]:
+    """The engine's local worker ranks (processes under `root` running tokenmill.engine.parallel_worker;
+    the engine core process, a child of the API server, starts them), by their --rank."""
+    parents, argvs = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = proc_argv(int(entry.name))
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argvs[int(entry.name)] = proc_argv(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and "tokenmill.engine.parallel_worker" in argv:
-            ranks[int(argv[argv.index("--rank") + 1])] = argv
-    return ranks
+
+    def under_root(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    return {int(argv[argv.index("--rank") + 1]): argv for pid, argv in argvs.items()
+            if "tokenmill.engine.parallel_worker" in argv and under_root(pid)}
 
 
 def test_tensor_parallel_example_runs_three_ranks_and_answers(
         cluster: Cluster, operator: OperatorProcess, pod_runner: PodRunner, namespace: str) -> None:
     """examples/bundled-tensor-parallel.yaml (gpu.count 3): the plan is TP 3 on one pod, the pod runs the
-    Deployment's `tokenmill serve --tensor-parallel-size 3`, which starts two more ranks (3 CPU processes,
+    Deployment's `tokenmill serve --tensor-parallel-size 3`, whose engine core starts two more ranks (3 CPU processes,
     gloo; deviation 1), and the official openai client gets a completion from it."""
     [isvc] = [with_runner(d) for d in example("bundled-tensor-parallel.yaml", namespace)]
     name = isvc["metadata"]["name"]
@@ -350,11 +366,7 @@ def test_tensor_parallel_example_runs_three_ranks_and_answers(
         assert rank_argv[rank_argv.index("--tensor-parallel-size") + 1] == "3"
         assert rank_argv[rank_argv.index("--device") + 1] == "cpu"
 
-    args = pod["spec"]["containers"][0]["args"]
-    client = openai.OpenAI(base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="unused", max_retries=0,
-                           timeout=600)
-    rsp = client.completions.create(model=args[args.index("--served-model-name") + 1],
-                                    prompt="The capital of France is", max_tokens=8, temperature=0)
+    rsp = openai_completion(pod)
     assert rsp.choices[0].text and rsp.usage.completion_tokens >= 1, rsp
     assert set(rank_processes(run.pid)) == {1, 2}  # the ranks served it and are still up
     assert pod_runner.all_errors() == []
