@@ -13,8 +13,10 @@ another Hub, which is how the tests reach the Hub stand-in.
 
 import json
 import logging
+import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 log = logging.getLogger("tokenmill.operator")
@@ -78,11 +80,16 @@ def fetch(repo_id: str, revision: str | None, token: str | None, endpoint: str |
         config = None
         if with_config or (gated and token):
             # Also for a gated model whose numbers the catalog has: one small file proves the token
-            # is granted, where model_info (public even for gated repos) cannot.
-            path = hf_hub_download(repo_id, "config.json", revision=info.sha, token=token or False,
-                                   endpoint=endpoint, cache_dir=cache_dir, etag_timeout=HUB_TIMEOUT_SECONDS)
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+            # is granted, where model_info (public even for gated repos) cannot. For a gated repo the
+            # file is fetched into a throwaway cache every time: at a commit sha huggingface_hub answers
+            # from its cache without a request, and a config.json another service's token fetched proves
+            # nothing about this one's (seen in e2e: a service without a readable token went ahead).
+            # (force_download would do it too, but it wraps the Hub's errors in a bare ValueError.)
+            with tempfile.TemporaryDirectory(prefix="tm-gated-") if gated else nullcontext(cache_dir) as where_to:
+                path = hf_hub_download(repo_id, "config.json", revision=info.sha, token=token or False,
+                                       endpoint=endpoint, cache_dir=where_to, etag_timeout=HUB_TIMEOUT_SECONDS)
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
             if not with_config:
                 config = None
         elif gated:

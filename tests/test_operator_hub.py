@@ -68,7 +68,7 @@ def test_fetch_reads_commit_weights_parameters_and_config(hub, model_dir, tmp_pa
 def test_hub_errors_become_reasons_naming_the_repo(hub, tmp_path, repo, revision, token, reason, words):
     with pytest.raises(HubError) as e:
         fetch(repo, revision, token, hub.url, with_config=False, cache_dir=str(tmp_path))
-    assert e.value.reason == reason and words in str(e.value)
+    assert e.value.reason == reason and words in str(e.value), str(e.value)
 
 
 def test_granted_token_and_unreachable_hub(hub, tmp_path):
@@ -77,6 +77,17 @@ def test_granted_token_and_unreachable_hub(hub, tmp_path):
     with pytest.raises(HubError) as e:
         fetch("acme/tiny-chat", None, None, closed_port_url(), with_config=True, cache_dir=str(tmp_path))
     assert e.value.reason == "HubUnreachable" and "hf://acme/tiny-chat" in str(e.value)
+
+
+def test_a_cached_gated_config_does_not_stand_in_for_a_token(hub, tmp_path):
+    """Once a granted token fetched a gated config.json into the operator's cache, a lookup without a token
+    or with another token still asks the Hub, and is refused: the cache proves nothing about this token."""
+    granted = fetch("acme/gated-chat", None, "hf_granted", hub.url, with_config=True, cache_dir=str(tmp_path))
+    assert granted.config is not None
+    for token, words in ((None, "is gated: create a Secret"), ("hf_other", "has not been granted access")):
+        with pytest.raises(HubError) as e:
+            fetch("acme/gated-chat", None, token, hub.url, with_config=True, cache_dir=str(tmp_path))
+        assert e.value.reason == "GatedModel" and words in str(e.value)
 
 
 def test_weights_counted_once_when_a_consolidated_copy_exists():
