@@ -279,8 +279,9 @@ def test_bundled_example_runs_the_deployment_argv_and_answers(
 def test_other_runnable_examples_reach_ready_on_real_probes(
         cluster: Cluster, operator: OperatorProcess, pod_runner: PodRunner, namespaces) -> None:
     """autoscaled.yaml and quota-limited-namespace.yaml with real engines (both at once: 3 engines).
-    bundled-one-gpu.yaml is the test above, hub-model-cached.yaml is in test_pod_runner_hub.py, and
-    infeasible-model.yaml has no pod to run (test_examples.py: Stalled before any pod)."""
+    bundled-one-gpu.yaml is the test above, bundled-tensor-parallel.yaml the last one here,
+    hub-model-cached.yaml is in test_pod_runner_hub.py, and infeasible-model.yaml has no pod to run
+    (test_examples.py: Stalled before any pod)."""
     where = {}
     for file, tag in (("autoscaled.yaml", "auto"), ("quota-limited-namespace.yaml", "quota")):
         ns = namespaces(tag)

@@ -128,3 +128,15 @@ def test_the_check_refuses_an_argument_the_engine_would_refuse(hub, tmp_path, mo
     args[args.index("--max-model-len") + 1] = "100000"
     rc, out = run_check(container, tmp_path, monkeypatch, capsys, args)
     assert rc == 2 and "max_model_len=100000" in out
+
+
+def test_the_check_refuses_a_tensor_parallel_size_the_model_cannot_split(hub, tmp_path, monkeypatch, capsys):
+    """The control for the TP 3 example: the same argv with --tensor-parallel-size 2 (which sizing and the
+    CRD refuse for 9 heads) fails the engine's check, so the example passing above means something."""
+    (_, doc) = next((n, d) for n, d in example_services() if n == "bundled-tensor-parallel.yaml")
+    container = engine_container(doc, hub.url, tmp_path)
+    args = list(container["args"])
+    assert args[args.index("--tensor-parallel-size") + 1] == "3"
+    args[args.index("--tensor-parallel-size") + 1] = "2"
+    rc, out = run_check(container, tmp_path, monkeypatch, capsys, args)
+    assert rc != 0 and "tensor_parallel_size=2" in out and "9 attention heads" in out, out
