@@ -22,7 +22,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log
 
 # uv: `make images` mounts its cached uv at /opt/uv and the machine's uv cache at /root/.cache/uv (the
-# wheels are copied from there, not downloaded); elsewhere it comes from PyPI into a throwaway venv.
+# wheels are copied from there, not downloaded); elsewhere its wheel comes from PyPI (docker/uv.sh).
 # Dependencies first (their layer survives source edits), then the project without its dependencies.
 # SSL_CERT_FILE: a CA bundle for an egress proxy, when the build machine needs one (make images passes
 # the host's); unset, uv trusts its own roots.
