@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.pp:  # one batch in flight: each stage waits for the other, steps do not overlap
                 pp2, _ = step_times(model, 1, batch, pp=2)
-                print(f"batch {batch:3d}: step PP=2 {pp2 * 1e3:7.2f} ms (x{pp2 / one:.2f} of TP=1 x PP=1)", flush=True)
+                print(f"batch {batch:3d}: step PP=2 {pp2 * 1e3:7.2f} ms (x{pp2 / one:.2f} of TP=1 x PP=1)",
+                      flush=True)  # fmt: skip
     for words in (6 + 7 * 1 + 1, 6 + 7 * 64 + 64):  # a packed decode step of batch 1 / 64, 1 block each
         one_way, half_trip = ping_pong(words)
         print(f"ring, {8 * words} bytes: one-way delivery {one_way * 1e6:.1f} us (median, stamped at the "

@@ -119,7 +119,10 @@ class RankWatchdog:
     def watch_remote(self, server: socket.socket, expected: int) -> None:
         """Multi-node: accept the liveness connections of the `expected` ranks on other nodes
         (parallel_liveness.py) and take the engine down, naming the rank and its host, when one closes."""
-        threading.Thread(target=self._accept_remote, args=(server, expected), name="rank-accept", daemon=True).start()
+        accept = threading.Thread(
+            target=self._accept_remote, args=(server, expected), name="rank-accept", daemon=True
+        )
+        accept.start()
 
     def _accept_remote(self, server: socket.socket, expected: int) -> None:
         try:

@@ -41,7 +41,13 @@ def listen(store: object) -> socket.socket:
 def connect(store: object, master_addr: str, rank: int, timeout_s: float) -> socket.socket:
     """A rank on another node: connect to rank 0 and introduce itself; keep the socket open for life."""
     port = int(store.get(STORE_KEY))
-    conn = socket.create_connection((master_addr, port), timeout=timeout_s)
+    try:
+        conn = socket.create_connection((master_addr, port), timeout=timeout_s)
+    except OSError as e:  # e.g. a network policy that lets through only the rendezvous port
+        raise ConnectionError(
+            f"rank {rank} could not open its liveness connection to the leader at {master_addr}:{port} "
+            f"(an ephemeral port, like gloo's own connections; it must be reachable from this node): {e}"
+        ) from e
     conn.settimeout(None)
     conn.sendall(f"{rank} {socket.gethostname()} {os.getpid()}\n".encode())
     return conn

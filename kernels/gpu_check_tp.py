@@ -25,7 +25,8 @@ ALLREDUCE_ITERS = 20
 DECODE_HIDDEN = 4096  # a 8B-class model's hidden size: the row-parallel all-reduce of one decode step
 DECODE_BATCHES = (1, 64)
 GRAPH_ITERS = 200
-PROMPTS = [[1, 504, 458, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 906, 11, 856, 836, 374]]  # vocab 1000
+# Token ids below the tiny model's vocabulary of 1000.
+PROMPTS = [[1, 504, 458, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 906, 11, 856, 836, 374]]
 MAX_TOKENS = 32
 
 

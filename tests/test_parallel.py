@@ -269,10 +269,25 @@ def test_liveness_connection_names_the_rank_and_shows_when_it_closes():
             parallel_liveness.accept_one(server)
         conn = parallel_liveness.connect(store, "127.0.0.1", 5, timeout_s=30)
         remote = parallel_liveness.accept_one(server)
-        assert remote.describe() == f"parallel rank 5 on host {socket.gethostname()} (127.0.0.1, pid {os.getpid()})"
+        host, pid = socket.gethostname(), os.getpid()
+        assert remote.describe() == f"parallel rank 5 on host {host} (127.0.0.1, pid {pid})"
         assert not parallel_liveness.is_closed(remote.conn)
         conn.close()  # what the kernel does when the rank's process dies
         assert remote.conn.recv(1) == b""
         assert parallel_liveness.is_closed(remote.conn)
     finally:
         server.close()
+
+
+def test_liveness_connection_that_cannot_reach_the_leader_says_where_it_dialled():
+    import datetime
+
+    import torch.distributed as dist
+    from tokenmill.engine import parallel_liveness
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    closed = free_port()  # nothing listens there
+    store.set(parallel_liveness.STORE_KEY, str(closed))
+    message = f"rank 3 could not open its liveness connection to the leader at 127.0.0.1:{closed}"
+    with pytest.raises(ConnectionError, match=message):
+        parallel_liveness.connect(store, "127.0.0.1", 3, timeout_s=5)

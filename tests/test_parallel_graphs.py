@@ -35,7 +35,8 @@ import torch.distributed as dist
 from tokenmill.engine.cuda_graphs import capture_all
 from tokenmill.engine.parallel_state import ParallelState, all_ranks_ok, same_on_all_ranks
 
-rank, port, scenarios, warmup_timeout = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), float(sys.argv[4])
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+scenarios, warmup_timeout = json.loads(sys.argv[3]), float(sys.argv[4])
 store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
 control = dist.new_group(backend="gloo")
@@ -54,7 +55,8 @@ for name, (fail_at, *sizes_of_rank) in scenarios.items():
             raise RuntimeError("stand-in capture failure")
 
     captured = capture_all(
-        sizes_of_rank[rank], capture_one, lambda ok: all_ranks_ok(ok, par), lambda s: same_on_all_ranks(s, par)
+        sizes_of_rank[rank], capture_one, lambda ok: all_ranks_ok(ok, par),
+        lambda sizes: same_on_all_ranks(sizes, par),
     )
     print("RESULT " + json.dumps([name, {"attempted": attempted, "captured": captured}]), flush=True)
 """
@@ -69,8 +71,9 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     port = free_port()
     procs = []
     for rank in range(2):
-        cmd = [sys.executable, str(script), str(rank), str(port), json.dumps(SCENARIOS), str(WARMUP_TIMEOUT_S)]
+        argv = [str(rank), str(port), json.dumps(SCENARIOS), str(WARMUP_TIMEOUT_S)]
         # cwd is not the repository root: its operator/ package would shadow the standard library's.
+        cmd = [sys.executable, str(script), *argv]
         procs.append(subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
