@@ -51,7 +51,8 @@ CONTAINER_DEVIATIONS = (
     "HF_ENDPOINT http://127.0.0.1:PORT, the operator's --hf-endpoint) is therefore reached from the container "
     "as from the host; in a pod's own network namespace 127.0.0.1 would be the pod itself",
     "KV pool: the process mode's --kv-cache-memory cap applies",
-    "device: no GPU is passed in",
+    "device: no GPU is passed in (a --tensor-parallel-size N engine runs its N ranks as CPU processes in "
+    "the container, over gloo)",
     "kernels: TORCH_EXTENSIONS_DIR points at a folder shared by all engine containers (the C++ CPU "
     f"kernels' build, mounted at {KERNEL_CACHE_MOUNT}) unless the pod sets it",
     "not enforced: CPU and memory requests and limits, exec and grpc probes (run on the host)",

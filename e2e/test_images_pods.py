@@ -207,3 +207,33 @@ def test_autoscaled_and_quota_examples_run_in_the_engine_image(
     finally:
         for ns, name in where.values():
             wait_containers_gone(cluster, ns, name)
+
+
+def test_tensor_parallel_example_runs_its_ranks_in_the_engine_image(
+        cluster: Cluster, operator: OperatorProcess, pod_runner: PodRunner, images: dict[str, str],
+        namespace: str) -> None:
+    """examples/bundled-tensor-parallel.yaml (TP 3 on one pod): one engine container whose engine core
+    starts the two other ranks inside it (CPU, gloo over loopback, the pod's /dev/shm as the container's)."""
+    from test_pod_runner import rank_processes
+
+    [isvc] = [in_podman(d) for d in example("bundled-tensor-parallel.yaml", namespace)]
+    name = isvc["metadata"]["name"]
+    apply(cluster, isvc)
+    try:
+        obj = wait_ready(cluster, namespace, name)
+        assert obj["status"]["sizing"]["tensorParallelSize"] == 3, obj["status"]["sizing"]
+        [pod] = runner_pods(cluster, namespace, name)
+        cname = assert_container_is_the_pod(pod, pod_runner, images["engine"])
+        args = pod["spec"]["containers"][0]["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == "3"
+        root = int(podman("inspect", "--format", "{{.State.Pid}}", cname).stdout)  # the container's PID 1
+        ranks = rank_processes(root)
+        assert sorted(ranks) == [1, 2], ranks
+        rsp = completion(pod)
+        assert rsp.status_code == 200, rsp.text
+        assert rsp.json()["usage"]["completion_tokens"] >= 1
+        assert set(rank_processes(root)) == {1, 2}  # the ranks served it and are still up
+        assert container_runner.written_outside_volumes(cname) == []
+        assert pod_runner.all_errors() == []
+    finally:
+        wait_containers_gone(cluster, namespace, name)
