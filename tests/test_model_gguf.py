@@ -158,7 +158,8 @@ def test_gguf_round_trip_restores_the_exact_weights_and_logits(tmp_path, cache_h
     model, kv = _ours(model_dir)
     seq = list(range(3, 60))
     logits = _forward_all(model, kv, [seq], [[4, 0, 9, 2]], [0], [len(seq)])
-    torch.testing.assert_close(logits, _hf_logits(_hf_model(hf_dir), seq), rtol=1e-5, atol=1e-5)
+    # Our CPU kernels add in another order than torch (AVX2 FMA tiles): test_model_llama's fp32 bound.
+    torch.testing.assert_close(logits, _hf_logits(_hf_model(hf_dir), seq), rtol=1e-4, atol=1e-4)
 
     tok = load_tokenizer(model_dir)
     assert tok("hello world").input_ids[0] != 257  # the file says: no BOS
@@ -175,7 +176,7 @@ def test_large_models_are_written_in_shards_that_both_loaders_read(tmp_path, cac
     model, kv = _ours(model_dir)
     logits = _forward_all(model, kv, [seq], [[0, 1, 2]], [0], [len(seq)])
     expect = _hf_logits(_hf_model(hf_dir), seq)
-    torch.testing.assert_close(logits, expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, expect, rtol=1e-4, atol=1e-4)  # our kernels' summation order
     torch.testing.assert_close(_hf_logits(_hf_model(model_dir), seq), expect, rtol=1e-5, atol=1e-5)
 
 
