@@ -80,6 +80,17 @@ def apply(cluster: Cluster, manifest: dict | str, namespace: str | None = None,
     return cluster.kubectl(*args, input=text, check=check)
 
 
+
+def prebound_volume(cluster: Cluster, namespace: str, claim: str) -> str:
+    """A PersistentVolume bound ahead to the claim the operator will create (there is no storage
+    provisioner here); the pod runner gives every claim one folder. Returns the volume's name."""
+    pv = f"{namespace}-model-cache"
+    apply(cluster, {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                    "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"],
+                             "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                             "hostPath": {"path": f"/tmp/{pv}"}, "claimRef": {"namespace": namespace, "name": claim}}})
+    return pv
+
 def sa_kubeconfig(cluster: Cluster, namespace: str, service_account: str, path: Path) -> Path:
     """A kubeconfig that authenticates as the ServiceAccount (a bound token from the TokenRequest API)."""
     token = cluster.kubectl("create", "token", service_account, "-n", namespace, "--duration=2h").stdout.strip()

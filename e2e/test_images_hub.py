@@ -17,7 +17,7 @@ import container_runner
 import pytest
 from cluster import Cluster
 from container_runner import podman
-from e2e_helpers import OperatorProcess, apply, get, replaced_operator
+from e2e_helpers import OperatorProcess, apply, get, prebound_volume, replaced_operator
 from hub_standin import HubStandin
 from pod_runner import PodRunner
 from test_examples import example
@@ -64,11 +64,7 @@ def test_hub_example_runs_in_the_engine_image(cluster: Cluster, hub_operator: Op
     claim = f"{name}-model-cache"
     # No storage provisioner here: a volume pre-bound to the claim the operator creates; the runner gives
     # the claim one folder, bind-mounted into both containers.
-    pv = f"{namespace}-model-cache"
-    apply(cluster, {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-                    "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"],
-                             "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                             "hostPath": {"path": f"/tmp/{pv}"}, "claimRef": {"namespace": namespace, "name": claim}}})
+    pv = prebound_volume(cluster, namespace, claim)
     try:
         hub.reset_log()
         apply(cluster, isvc)

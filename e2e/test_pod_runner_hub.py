@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 from cluster import Cluster
-from e2e_helpers import ISVC, OperatorProcess, apply, condition, get, replaced_operator, wait_for
+from e2e_helpers import (
+    ISVC,
+    OperatorProcess,
+    apply,
+    condition,
+    get,
+    prebound_volume,
+    replaced_operator,
+    wait_for,
+)
 from hub_standin import HubStandin
 from pod_runner import PodRunner
 from test_examples import example
@@ -82,11 +91,7 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
     claim = f"{name}-model-cache"
     # No storage provisioner here: a volume pre-bound to the claim the operator will create. The runner
     # gives every claim one folder, which both pods then share.
-    pv = f"{namespace}-model-cache"
-    apply(cluster, {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-                    "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"],
-                             "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                             "hostPath": {"path": f"/tmp/{pv}"}, "claimRef": {"namespace": namespace, "name": claim}}})
+    pv = prebound_volume(cluster, namespace, claim)
     try:
         hub.reset_log()
         apply(cluster, isvc)
