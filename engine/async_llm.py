@@ -2,8 +2,9 @@
 
 It tokenizes and applies chat templates through a TokenizerPool (tokenizer_pool.py: one worker thread,
 so a long prompt never stalls the event loop that feeds every other stream), counts admission, turns
-the core's token ids into text with the OutputProcessor, and hands each request its outputs through its own asyncio queue. A request whose
-consumer goes away (client disconnect, cancellation) is aborted in the core, which frees its blocks.
+the core's token ids into text with the OutputProcessor, and hands each request its outputs through its
+own asyncio queue. A request whose consumer goes away (client disconnect, cancellation) is aborted in
+the core, which frees its blocks.
 
 Admission: a request counts as waiting from the moment it is admitted (before tokenization) until the
 scheduler first runs it; with `max_waiting_requests` already waiting, `admit` raises QueueFullError.
