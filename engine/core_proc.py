@@ -80,7 +80,7 @@ def decode(buf: bytes) -> tuple:
         stats.queue_times = [(rid, waited) for rid, waited in stats.queue_times]
         return (OUTPUTS, outputs, stats)
     if kind == READY:
-        from tokenmill.engine.engine_core import EngineCapacity  # lazy: the codec itself needs no torch
+        from tokenmill.engine.engine_capacity import EngineCapacity  # imports no torch
 
         return (READY, EngineCapacity(**msg[1]), msg[2])
     return tuple(msg)

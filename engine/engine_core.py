@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from tokenmill.engine import kv_memory
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.engine_capacity import EngineCapacity
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.model_loader import load_model, resolve_dtype, resolve_model
@@ -30,40 +31,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # On CUDA the pool takes this fraction of the memory left free after loading the weights.
 CUDA_KV_CACHE_FRACTION = 0.9
-
-
-@dataclass(slots=True)
-class EngineCapacity:
-    """What the engine holds once loaded; exported as metrics and the startup log line."""
-
-    num_kv_blocks: int
-    block_size: int
-    kv_tokens: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_concurrency: float  # sequences of max_model_len that fit at once
-    model_load_seconds: float
-    dtype: str
-    device: str
-    # Every rank of a TP x PP replica holds a pool of num_kv_blocks blocks of its own heads and layers.
-    kv_bytes_per_token: int = 0  # per rank: kv_memory.kv_bytes_per_token, what the operator sizes with
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-
-    def describe(self) -> str:
-        ranks = ""
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            ranks = (
-                f" per rank (tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
-                f"{self.pipeline_parallel_size})"
-            )
-        return (
-            f"KV cache{ranks}: {self.num_kv_blocks} blocks x {self.block_size} tokens = {self.kv_tokens} tokens, "
-            f"{self.kv_bytes_per_token} bytes/token ({self.dtype} on {self.device}); max_model_len "
-            f"{self.max_model_len}: {self.max_concurrency:.2f}x concurrency at full length; max_num_seqs "
-            f"{self.max_num_seqs}"
-        )
 
 
 @dataclass(slots=True)

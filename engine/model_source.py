@@ -150,7 +150,7 @@ def resolve_model_source(
     if source.scheme == "hf":
         return download_hf(source, config_only=config_only, progress=progress)
     if source.scheme == "bundled":
-        from tokenmill.engine.model_loader import bundled_gguf_path, convert_gguf_cached
+        from tokenmill.engine.model_files import bundled_gguf_path, convert_gguf_cached
 
         return convert_gguf_cached(bundled_gguf_path())
     assert source.path is not None

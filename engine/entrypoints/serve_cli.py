@@ -400,17 +400,18 @@ class Server(uvicorn.Server):
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     """A Hugging Face folder for `model` (a hub model is downloaded, a GGUF converted, on first use, then
-    cached)."""
-    from tokenmill.engine.model_loader import resolve_model  # imports torch: called in a worker thread
+    cached). Imports no torch unless a GGUF needs converting (model_files.py)."""
+    from tokenmill.engine.model_files import resolve_model
 
     return str(resolve_model(model, revision))
 
 
-def load_tokenizer_and_config(path: str) -> tuple:
+def load_tokenizer_and_config(path: str, without_torch: bool = True) -> tuple:
+    """without_torch: the engine core runs in its own process, so this one need not pay for torch."""
     from tokenmill.engine.model_config import load_model_config
-    from tokenmill.engine.model_loader import load_tokenizer
+    from tokenmill.engine.model_files import load_tokenizer
 
-    return load_tokenizer(path), load_model_config(path)
+    return load_tokenizer(path, without_torch=without_torch), load_model_config(path)
 
 
 async def bring_up(state: ServerState, args: argparse.Namespace, server: Server) -> None:
@@ -432,7 +433,7 @@ async def bring_up(state: ServerState, args: argparse.Namespace, server: Server)
         client = InprocClient(config) if args.engine_in_process else MPClient(config, args.log_level.upper())
         state.extra["client"] = client
         info, (tokenizer, model_config) = await asyncio.gather(
-            client.start(), asyncio.to_thread(load_tokenizer_and_config, config.model)
+            client.start(), asyncio.to_thread(load_tokenizer_and_config, config.model, not args.engine_in_process)
         )
     except Exception as e:
         logger.error("startup failed: %s", e)
