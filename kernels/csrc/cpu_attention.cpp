@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <vector>
 
 #include "cpu_common.h"
@@ -380,6 +381,47 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
   });
 }
 
+
+// Writes this step's key/value rows [num_tokens, num_kv_heads, head_dim] into their cache slots (slot -1
+// skips the row). One op instead of the reference's per-layer compare, all() and two index_copy_ calls:
+// at decode batch sizes those small ops cost more than the copy (docs/engine.md, per-step overhead).
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kv: caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "store_kv: slot_mapping must be contiguous int64");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
+              "store_kv: key/value dtype must equal the cache dtype");
+  const int64_t num_tokens = key.size(0);
+  const int64_t row = k_cache.size(2) * k_cache.size(3);  // num_kv_heads * head_dim
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(key.size(1) * key.size(2) == row && value.sizes() == key.sizes() &&
+                  slot_mapping.size(0) == num_tokens,
+              "store_kv: key/value must be [num_tokens, num_kv_heads, head_dim] with one slot per row");
+  // Each head's head_dim values are contiguous; heads may sit at any stride (q|k|v rows of one GEMM).
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
+              "store_kv: key/value last dimension must be contiguous");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t heads = key.size(1), head_dim = key.size(2);
+  tokenmill_cpu::dispatch(key, "store_kv", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t* kp = key.data_ptr<scalar_t>();
+    const scalar_t* vp = value.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t s = slots[t];
+      if (s < 0) continue;
+      TORCH_CHECK(s < num_slots, "store_kv: slot ", s, " is outside the cache (", num_slots, " slots)");
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + s * row + h * head_dim, kp + t * key.stride(0) + h * key.stride(1),
+                    head_dim * sizeof(scalar_t));
+        std::memcpy(vc + s * row + h * head_dim, vp + t * value.stride(0) + h * value.stride(1),
+                    head_dim * sizeof(scalar_t));
+      }
+    }
+  });
+}
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
@@ -387,4 +429,6 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
       "paged_attention_varlen(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int max_query_len, int max_pairs) -> ()");
   m.impl("paged_attention_varlen", c10::DispatchKey::CPU, &paged_attention_varlen);
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
 }
