@@ -7,11 +7,13 @@ dtype), so fp32 outputs agree with transformers to rounding and bf16 outputs rou
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tokenmill.engine.model_config import RopeScaling
+from tokenmill.engine.weight_blocks import find_weight_blocks, to_panels
 from tokenmill.kernels import cpu as cpu_kernels
 from torch import nn
 
@@ -57,19 +59,93 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def cpu_linear_mode() -> str:
+    """TOKENMILL_CPU_LINEAR: "1" (default) integer blocks where lossless, fp32 panels otherwise; "fp32"
+    fp32 panels only; "0" torch's F.linear. The last two are for A/B runs and bisecting."""
+    mode = os.environ.get("TOKENMILL_CPU_LINEAR", "1")
+    if mode not in ("0", "1", "fp32"):
+        raise ValueError(f"TOKENMILL_CPU_LINEAR must be 0, 1 or fp32, got {mode!r}")
+    return mode
+
+
+def fp32_linear_ops(device: torch.device, dtype: torch.dtype) -> object | None:
+    """The C++ ops when fp32 linears can run on packed weights (kernels/csrc/cpu_linear.cpp: a CPU with
+    AVX2 + FMA and the kernels built); None otherwise, or with TOKENMILL_CPU_LINEAR=0."""
+    if device.type != "cpu" or dtype != torch.float32 or cpu_linear_mode() == "0":
+        return None
+    ops = cpu_kernels.load()
+    if ops is None or not ops.packed_linear_supported():
+        return None
+    return ops
+
+
+@dataclass
+class CpuPackedWeight:
+    """A weight [out_features, in] in the fp32 kernel's panels: fp32 values, or int8 codes with per-block
+    scales and mins that rebuild those fp32 values exactly (engine/weight_blocks.py)."""
+
+    out_features: int
+    fp32: torch.Tensor | None = None  # [panels, in, 16]
+    codes: torch.Tensor | None = None  # int8 [panels, in, 16]
+    scales: torch.Tensor | None = None  # [panels, in / 32, 16]
+    mins: torch.Tensor | None = None
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias), fp32."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        ops = cpu_kernels.load()
+        if self.codes is not None:
+            ops.linear_packed_q8(out, rows, self.codes, self.scales, self.mins, bias)
+        else:
+            ops.linear_packed(out, rows, self.fp32, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.fp32, self.codes, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def pack_cpu_weight(weight: torch.Tensor, blocks: bool | None = None) -> CpuPackedWeight:
+    """Pack an fp32 weight [out, in] for the fp32 CPU kernel: as integer blocks when they rebuild it
+    exactly (and `blocks`, by default unless TOKENMILL_CPU_LINEAR=fp32), else as fp32 panels."""
+    weight = weight.detach()
+    if blocks is None:
+        blocks = cpu_linear_mode() == "1"
+    found = find_weight_blocks(weight) if blocks else None
+    if found is not None:
+        return CpuPackedWeight(weight.shape[0], codes=to_panels(found.codes), scales=to_panels(found.scales),
+                               mins=to_panels(found.mins))  # fmt: skip
+    return CpuPackedWeight(weight.shape[0], fp32=cpu_kernels.load().pack_linear_weight(weight))
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be swapped for a oneDNN-prepacked copy after loading.
+    """nn.Linear whose weight can be swapped for a packed copy after loading: oneDNN's blocked layout
+    for bf16, or the fp32 AVX2 kernel's panels.
 
     Unpacked, oneDNN re-lays-out the whole weight on every bf16 call; for the small batches of a
-    decode step that costs as much as the product itself.
+    decode step that costs as much as the product itself. torch's fp32 GEMM on AVX2 ran 8 rows at a
+    quarter of one row's bandwidth (docs/benchmarks.md); the packed kernel reads each weight once per step.
     """
 
     packed: torch.Tensor | None = None
+    packed_cpu: CpuPackedWeight | None = None
 
     def prepack(self) -> None:
         self.packed = prepack_weight(self.weight)
 
+    def pack_cpu(self, blocks: bool | None = None) -> None:
+        """Pack for the fp32 CPU kernel and drop the [out, in] copy (nothing reads it after loading), so
+        the packed weight is the only one held."""
+        self.packed_cpu = pack_cpu_weight(self.weight, blocks)
+        self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_cpu is not None:
+            return self.packed_cpu.linear(x, self.bias)
         if self.packed is not None and x.shape[0] >= PREPACK_MIN_ROWS:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

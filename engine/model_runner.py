@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.cuda_graphs import CUDAGraphRunner
-from tokenmill.engine.layers import can_prepack
+from tokenmill.engine.layers import can_prepack, fp32_linear_ops
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.parallel_state import SINGLE, ParallelState, all_ranks_ok, same_on_all_ranks
 from tokenmill.engine.request import Request
@@ -41,6 +41,8 @@ class ModelRunner:
         self.par = par
         if can_prepack(device, dtype) and hasattr(model, "prepack_linears"):
             model.prepack_linears()
+        elif fp32_linear_ops(device, dtype) is not None and hasattr(model, "pack_linears_cpu"):
+            model.pack_linears_cpu()
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # One allocation for the whole pool: [layers, K/V, blocks, block_size, kv_heads, head_dim].

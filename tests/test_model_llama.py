@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 import torch
+from tokenmill.engine.layers import fp32_linear_ops
 from tokenmill.engine.model_config import load_model_config
 from tokenmill.engine.model_loader import load_model, load_tokenizer
 
@@ -27,9 +28,19 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def _ours(model_dir: pathlib.Path, dtype: torch.dtype = torch.float32, num_blocks: int = 64):
+# "torch": every projection through F.linear; "panels": the fp32 AVX2 kernel on fp32 panels; "blocks":
+# the same kernel on integer blocks where they rebuild the weight exactly (the bundled GGUF's are), fp32
+# panels elsewhere. ModelRunner packs where the CPU has the kernel (kernels/csrc/cpu_linear.cpp).
+_KERNEL = fp32_linear_ops(torch.device("cpu"), torch.float32) is not None
+LINEARS = ["torch", "panels", "blocks"] if _KERNEL else ["torch"]
+
+
+def _ours(model_dir: pathlib.Path, dtype: torch.dtype = torch.float32, num_blocks: int = 64, linears: str = "torch"):
     config = load_model_config(model_dir)
     model = load_model(model_dir, config, dtype, "cpu")
+    if linears != "torch":
+        model.pack_linears_cpu(blocks=linears == "blocks")
+        assert model.model.layers[0].mlp.gate_up_proj.packed_cpu is not None
     kv = make_kv_caches(config.num_hidden_layers, num_blocks, BLOCK, config.num_key_value_heads, config.head_dim, dtype)
     return model, kv
 
@@ -54,10 +65,11 @@ def tiny_dirs(tmp_path_factory, bundled_model_dir) -> dict[str, pathlib.Path]:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tiny_model_prefill_logits_match_transformers(tiny_dirs, arch) -> None:
+@pytest.mark.parametrize("linears", LINEARS)
+def test_tiny_model_prefill_logits_match_transformers(tiny_dirs, arch, linears) -> None:
     # Two sequences of 70 and 63 tokens in one flattened step, in scattered blocks. 70 > 32, the
     # llama3 model's original context, so every band of its RoPE scaling is exercised.
-    model, kv = _ours(tiny_dirs[arch])
+    model, kv = _ours(tiny_dirs[arch], linears=linears)
     hf = _hf_model(tiny_dirs[arch])
     seqs = _prompts(2, 70, seed=1, vocab=model.config.vocab_size)
     tables = [[9, 2, 30, 4, 17], [5, 11, 1, 40]]
@@ -67,10 +79,11 @@ def test_tiny_model_prefill_logits_match_transformers(tiny_dirs, arch) -> None:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tiny_model_chunked_prefill_and_decode_through_the_cache_match_transformers(tiny_dirs, arch) -> None:
+@pytest.mark.parametrize("linears", LINEARS)
+def test_tiny_model_chunked_prefill_and_decode_through_the_cache_match_transformers(tiny_dirs, arch, linears) -> None:
     # Chunks of uneven size, then decode steps, each reading the earlier tokens back from the cache;
     # a mixed step (one sequence decoding, the other prefilling) is included.
-    model, kv = _ours(tiny_dirs[arch])
+    model, kv = _ours(tiny_dirs[arch], linears=linears)
     hf = _hf_model(tiny_dirs[arch])
     seqs = _prompts(2, 45, seed=2, vocab=model.config.vocab_size)
     tables = [[3, 8, 12, 25], [6, 0, 20]]
@@ -114,8 +127,9 @@ def test_half_precision_is_as_accurate_as_transformers_in_the_same_dtype(tiny_di
     assert ours_agree >= hf_agree - 0.05
 
 
-def test_bundled_model_prefill_logits_match_transformers(bundled_model_dir) -> None:
-    model, kv = _ours(bundled_model_dir, num_blocks=16)
+@pytest.mark.parametrize("linears", LINEARS)
+def test_bundled_model_prefill_logits_match_transformers(bundled_model_dir, linears) -> None:
+    model, kv = _ours(bundled_model_dir, num_blocks=16, linears=linears)
     hf = _hf_model(bundled_model_dir)
     tok = load_tokenizer(bundled_model_dir)
     seqs = [
@@ -127,7 +141,8 @@ def test_bundled_model_prefill_logits_match_transformers(bundled_model_dir) -> N
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=2e-4)
 
 
-def test_bundled_model_greedy_loop_equals_transformers_generate(bundled_model_dir) -> None:
+@pytest.mark.parametrize("linears", LINEARS)
+def test_bundled_model_greedy_loop_equals_transformers_generate(bundled_model_dir, linears) -> None:
     tok = load_tokenizer(bundled_model_dir)
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
@@ -144,7 +159,7 @@ def test_bundled_model_greedy_loop_equals_transformers_generate(bundled_model_di
     eos = load_model_config(bundled_model_dir).eos_token_ids
     assert len(expected[0]) == steps and expected[1][-1] in eos  # a full-length story, a chat answer that ends
 
-    model, kv = _ours(bundled_model_dir, num_blocks=16)
+    model, kv = _ours(bundled_model_dir, num_blocks=16, linears=linears)
     tables = [[0, 1, 2], [5, 6, 7, 8, 9]]
     seqs = [list(p) for p in prompts]
     done = [0, 0]

@@ -16,10 +16,12 @@ import torch.nn.functional as F
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.layers import (
     PREPACK_MIN_ROWS,
+    CpuPackedWeight,
     Linear,
     RMSNorm,
     Rope,
     RotaryEmbedding,
+    pack_cpu_weight,
     packed_linear,
     prepack_weight,
     silu_and_mul,
@@ -192,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
             rows = vocab_shard(config.vocab_size, par.tp_rank, par.tp_size)[1]
             self.lm_head = Linear(config.hidden_size, rows, bias=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed_cpu: CpuPackedWeight | None = None
 
     def forward(
         self,
@@ -206,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (only the rows that need a next token) -> fp32 logits [N, vocab]
         (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
-        if self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
+        if self.lm_head_packed_cpu is not None:
+            local = self.lm_head_packed_cpu.linear(hidden)
+        elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
             local = packed_linear(hidden, self.lm_head_packed).float()
         else:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -221,3 +226,16 @@ class LlamaForCausalLM(nn.Module):
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head_packed = prepack_weight(weight)
+
+    def pack_linears_cpu(self, blocks: bool | None = None) -> None:
+        """Swap every projection and the LM head to the fp32 CPU kernel's packed weights. A tied LM head
+        keeps the embedding matrix (the embedding lookup reads it); an untied one drops its copy."""
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.pack_cpu(blocks)
+        if self.par.is_last_stage:
+            if self.lm_head is None:
+                self.lm_head_packed_cpu = pack_cpu_weight(self.model.embed_tokens.weight, blocks)
+            else:
+                self.lm_head.pack_cpu(blocks)
+                self.lm_head_packed_cpu = self.lm_head.packed_cpu

@@ -1,0 +1,132 @@
+"""The fp32 packed-weight linear kernel (kernels/csrc/cpu_linear.cpp) against a float64 product.
+
+The model-level proof (greedy tokens and logits against transformers with every projection on this
+kernel) is in test_model_llama.py; these cases cover the shapes a model does not: ragged last panels,
+odd K, every row-tile remainder, row blocks, bias, and the argument checks.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenmill.engine.layers import Linear, fp32_linear_ops, pack_cpu_weight
+from tokenmill.engine.weight_blocks import find_weight_blocks
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    fp32_linear_ops(CPU, torch.float32) is None, reason="needs an AVX2 + FMA CPU and the C++ kernels"
+)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (50, 37), (16, 1), (17, 1536), (7, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 97, 200])
+def test_packed_linear_matches_a_float64_product(n: int, k: int, rows: int) -> None:
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    packed = pack_cpu_weight(w, blocks=False)
+    assert packed.fp32.shape == (-(-n // 16), k, 16)
+    for bias in (None, b):
+        got = packed.linear(x, bias)
+        ref = _reference(x, w, bias)
+        # One fp32 sum of k products: its rounding error grows with k and the terms' size.
+        bound = 1e-6 * (k**0.5) * (x.abs().double() @ w.abs().double().T + 1)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert ((got.double() - ref).abs() <= bound).all()
+        # torch's fp32 GEMM is held to the same bound, so the bound is not loose by construction.
+        assert ((F.linear(x, w, bias).double() - ref).abs() <= bound).all()
+
+
+def test_rows_with_a_stride_and_leading_dims_are_read_correctly() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 24, generator=g)
+    wide = torch.randn(9, 48, generator=g)
+    x = wide[:, :24]  # rows 48 apart
+    packed = pack_cpu_weight(w, blocks=False)
+    torch.testing.assert_close(packed.linear(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 24, generator=g)
+    got = packed.linear(x3)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, F.linear(x3, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_module_packs_and_drops_its_unpacked_weight() -> None:
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(576, 192, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(192, 576, generator=g))
+        lin.bias.copy_(torch.randn(192, generator=g))
+    x = torch.randn(8, 576, generator=g)
+    expected = _reference(x, lin.weight, lin.bias)
+    lin.pack_cpu()
+    assert lin.weight.numel() == 0 and lin.packed_cpu is not None and lin.packed_cpu.fp32 is not None
+    got = lin(x)
+    assert (got.double() - expected).abs().max() < 1e-4
+
+
+def test_wrong_shapes_are_refused_with_the_sizes() -> None:
+    ops = fp32_linear_ops(CPU, torch.float32)
+    packed = pack_cpu_weight(torch.randn(32, 24), blocks=False).fp32
+    with pytest.raises(RuntimeError, match=r"K=20"):
+        ops.linear_packed(torch.empty(2, 32), torch.randn(2, 20), packed, None)
+    with pytest.raises(RuntimeError, match="out has 48 columns"):
+        ops.linear_packed(torch.empty(2, 48), torch.randn(2, 24), packed, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.pack_linear_weight(torch.randn(32, 24).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[32\]"):
+        ops.linear_packed(torch.empty(2, 32), torch.randn(2, 24), packed, torch.randn(31))
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CPU_LINEAR", "0")
+    assert fp32_linear_ops(CPU, torch.float32) is None
+    monkeypatch.delenv("TOKENMILL_CPU_LINEAR")
+    assert fp32_linear_ops(CPU, torch.float32) is not None
+    assert fp32_linear_ops(CPU, torch.bfloat16) is None  # bf16 stays on oneDNN / F.linear
+
+
+def _gguf_like(n: int, k: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    """An fp32 weight as gguf dequantizes one: fp16 scale (and min) per 32 weights of a row."""
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).to(torch.float16).double()
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).double()
+        m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).to(torch.float16).double()
+    else:  # q8_0
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).double()
+        q[..., 5] = 127  # llama.cpp's Q8_0 scale is the block's largest |weight| / 127
+        m = torch.zeros(n, k // 32, 1, dtype=torch.float64)
+    return (d * q + m).to(torch.float32).reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_integer_blocks_rebuild_the_weight_and_give_the_panels_result_bit_for_bit(kind: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    w = _gguf_like(50, 96, kind, g)
+    found = find_weight_blocks(w)
+    assert found is not None
+    rebuilt = found.scales.repeat_interleave(32, 1).double() * found.codes.double()
+    rebuilt += found.mins.repeat_interleave(32, 1).double()
+    assert torch.equal(rebuilt.to(torch.float32), w)
+    blocks, panels = pack_cpu_weight(w, blocks=True), pack_cpu_weight(w, blocks=False)
+    assert blocks.codes is not None and panels.fp32 is not None
+    assert blocks.nbytes < 0.35 * panels.nbytes
+    b = torch.randn(50, generator=g)
+    for rows in (1, 3, 4, 5, 64, 97):
+        x = torch.randn(rows, 96, generator=g)
+        assert torch.equal(blocks.linear(x, b), panels.linear(x, b))
+        assert ((blocks.linear(x).double() - _reference(x, w, None)).abs() < 1e-4).all()
+
+
+def test_weights_without_an_exact_block_form_stay_fp32() -> None:
+    g = torch.Generator().manual_seed(6)
+    assert find_weight_blocks(torch.randn(64, 96, generator=g)) is None  # never quantized
+    w = _gguf_like(64, 96, "q4_1", g)
+    assert find_weight_blocks(w) is not None
+    w[10, 40] = torch.nextafter(w[10, 40], torch.tensor(1.0))  # one weight off by one ulp
+    assert find_weight_blocks(w) is None
+    assert pack_cpu_weight(w).fp32 is not None
+    assert find_weight_blocks(torch.zeros(8, 33)) is None  # K not a multiple of 32
