@@ -59,6 +59,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Rows up to which the packed fp32 kernel runs a linear; larger batches go to torch's GEMM on the fp32
+# weight. Measured on the 2-core AVX2 EPYC (docs/benchmarks.md): the kernel wins where a step reads more
+# weight than it computes (1-8 rows measured: up to 2.5x torch on SmolLM2's shapes), ties at 64 and loses at 256,
+# where torch's GEMM blocks for the caches better.
+CPU_PACKED_MAX_ROWS = 16
+
+
 def cpu_linear_mode() -> str:
     """TOKENMILL_CPU_LINEAR: "1" (default) integer blocks where lossless, fp32 panels otherwise; "fp32"
     fp32 panels only; "0" torch's F.linear. The last two are for A/B runs and bisecting."""
@@ -128,7 +135,8 @@ class Linear(nn.Linear):
 
     Unpacked, oneDNN re-lays-out the whole weight on every bf16 call; for the small batches of a
     decode step that costs as much as the product itself. torch's fp32 GEMM on AVX2 ran 8 rows at a
-    quarter of one row's bandwidth (docs/benchmarks.md); the packed kernel reads each weight once per step.
+    quarter of one row's bandwidth (docs/benchmarks.md); the packed kernel reads each weight once per
+    step, from int8 codes where the weight has them.
     """
 
     packed: torch.Tensor | None = None
@@ -138,13 +146,12 @@ class Linear(nn.Linear):
         self.packed = prepack_weight(self.weight)
 
     def pack_cpu(self, blocks: bool | None = None) -> None:
-        """Pack for the fp32 CPU kernel and drop the [out, in] copy (nothing reads it after loading), so
-        the packed weight is the only one held."""
+        """Pack for the fp32 CPU kernel. The [out, in] weight stays: batches over CPU_PACKED_MAX_ROWS
+        rows (prompt chunks, large decode batches) run faster through torch's GEMM."""
         self.packed_cpu = pack_cpu_weight(self.weight, blocks)
-        self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_cpu is not None:
+        if self.packed_cpu is not None and x.numel() <= CPU_PACKED_MAX_ROWS * x.shape[-1]:
             return self.packed_cpu.linear(x, self.bias)
         if self.packed is not None and x.shape[0] >= PREPACK_MIN_ROWS:
             return packed_linear(x, self.packed, self.bias)

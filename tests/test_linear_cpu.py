@@ -8,7 +8,7 @@ odd K, every row-tile remainder, row blocks, bias, and the argument checks.
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenmill.engine.layers import Linear, fp32_linear_ops, pack_cpu_weight
+from tokenmill.engine.layers import CPU_PACKED_MAX_ROWS, Linear, fp32_linear_ops, pack_cpu_weight
 from tokenmill.engine.weight_blocks import find_weight_blocks
 
 CPU = torch.device("cpu")
@@ -54,18 +54,20 @@ def test_rows_with_a_stride_and_leading_dims_are_read_correctly() -> None:
     torch.testing.assert_close(got, F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_module_packs_and_drops_its_unpacked_weight() -> None:
+def test_linear_module_runs_small_batches_packed_and_large_ones_through_torch() -> None:
     g = torch.Generator().manual_seed(2)
     lin = Linear(576, 192, bias=True)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(192, 576, generator=g))
         lin.bias.copy_(torch.randn(192, generator=g))
-    x = torch.randn(8, 576, generator=g)
-    expected = _reference(x, lin.weight, lin.bias)
     lin.pack_cpu()
-    assert lin.weight.numel() == 0 and lin.packed_cpu is not None and lin.packed_cpu.fp32 is not None
-    got = lin(x)
-    assert (got.double() - expected).abs().max() < 1e-4
+    assert lin.packed_cpu is not None and lin.packed_cpu.fp32 is not None
+    for rows in (1, CPU_PACKED_MAX_ROWS, CPU_PACKED_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 576, generator=g)
+        got = lin(x)
+        assert (got.double() - _reference(x, lin.weight, lin.bias)).abs().max() < 1e-4
+        packed = lin.packed_cpu.linear(x, lin.bias)
+        assert torch.equal(got, packed) == (rows <= CPU_PACKED_MAX_ROWS)  # which path ran
 
 
 def test_wrong_shapes_are_refused_with_the_sizes() -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.layers import (
+    CPU_PACKED_MAX_ROWS,
     PREPACK_MIN_ROWS,
     CpuPackedWeight,
     Linear,
@@ -209,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (only the rows that need a next token) -> fp32 logits [N, vocab]
         (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
-        if self.lm_head_packed_cpu is not None:
+        if self.lm_head_packed_cpu is not None and hidden.shape[0] <= CPU_PACKED_MAX_ROWS:
             local = self.lm_head_packed_cpu.linear(hidden)
         elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
             local = packed_linear(hidden, self.lm_head_packed).float()
@@ -228,8 +229,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_packed = prepack_weight(weight)
 
     def pack_linears_cpu(self, blocks: bool | None = None) -> None:
-        """Swap every projection and the LM head to the fp32 CPU kernel's packed weights. A tied LM head
-        keeps the embedding matrix (the embedding lookup reads it); an untied one drops its copy."""
+        """Give every projection and the LM head the fp32 CPU kernel's packed weights, used for batches
+        up to CPU_PACKED_MAX_ROWS rows (the fp32 weights stay for larger ones)."""
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.pack_cpu(blocks)

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -125,10 +126,12 @@ template <int R>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo,
                  int64_t cols, const float* bias) {
   __m256 acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
     const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel);
     const __m256 w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * ldx + i);
       acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);
@@ -142,6 +145,7 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k, flo
     b0 = _mm256_load_ps(bias_pad);
     b1 = _mm256_load_ps(bias_pad + 8);
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const __m256 y0 = _mm256_add_ps(acc[r][0], b0), y1 = _mm256_add_ps(acc[r][1], b1);
     if (cols == kPanel) {
@@ -177,6 +181,7 @@ template <int R>
 inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* mins,
                     int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
   __m256 acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kCodeBlock; ++b) {
     const __m256 d0 = _mm256_loadu_ps(scales + b * kPanel), d1 = _mm256_loadu_ps(scales + b * kPanel + 8);
@@ -185,6 +190,7 @@ inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const floa
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
       const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0);
       const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), d1, m1);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i);
         acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
@@ -193,10 +199,25 @@ inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const floa
     }
   }
   alignas(32) float tmp[kPanel];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     _mm256_store_ps(tmp, acc[r][0]);
     _mm256_store_ps(tmp + 8, acc[r][1]);
     for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
+  }
+}
+
+// codes -> the fp32 panel [K, 16] they stand for, rounded as tile_q8 rounds each weight.
+void rebuild_panel(const int8_t* codes, const float* scales, const float* mins, int64_t k, float* out) {
+  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
+    const __m256 d0 = _mm256_loadu_ps(scales + b * kPanel), d1 = _mm256_loadu_ps(scales + b * kPanel + 8);
+    const __m256 m0 = _mm256_loadu_ps(mins + b * kPanel), m1 = _mm256_loadu_ps(mins + b * kPanel + 8);
+    for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; ++i) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
+      _mm256_storeu_ps(out + i * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0));
+      _mm256_storeu_ps(out + i * kPanel + 8,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), d1, m1));
+    }
   }
 }
 
@@ -301,11 +322,22 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0), nb = k / kCodeBlock;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;  // one panel rebuilt as fp32, for batches past kTileRowsQ8 rows
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t r1 = std::min(m, r0 + kRowBlock);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, n - p * kPanel);
         const float* pb = bp != nullptr ? bp + p * kPanel : nullptr;
+        if (r1 - r0 > kTileRowsQ8) {
+          // More rows than one tile: rebuild the panel once (the same fma per weight the q8 tile does)
+          // and run the fp32 tiles over it, instead of rebuilding it in every tile.
+          scratch.resize(k * kPanel);
+          rebuild_panel(cp + p * k * kPanel, sp + p * nb * kPanel, mp + p * nb * kPanel, k, scratch.data());
+          for (int64_t r = r0; r < r1; r += kTileRows)
+            rows_tile(std::min(kTileRows, r1 - r), xp + r * ldx, ldx, scratch.data(), k, op + r * ldo + p * kPanel,
+                      ldo, cols, pb);
+          continue;
+        }
         for (int64_t r = r0; r < r1; r += kTileRowsQ8) {
           const int64_t rows = std::min(kTileRowsQ8, r1 - r);
           rows_tile_q8(rows, xp + r * ldx, ldx, cp + p * k * kPanel, sp + p * nb * kPanel, mp + p * nb * kPanel, k,
