@@ -156,7 +156,9 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+            # /health, not /v1/models: tokenmill lists its model while the engine core still loads it
+            # (and answers requests 503 until then); /health is 200 only once all three can serve.
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass
