@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers`."""
+"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers|sampler`."""
 
 import argparse
 import asyncio
@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each kind is kept")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--no-sse", action="store_true", help="measure the OutputProcessor alone")
+    p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("sampler", help="sampler CPU time per step: the top-K path vs the full sort")
+    p.add_argument("--batches", default="1,8,64", help="batch sizes to measure")
+    p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (the bundled model's by default)")
+    p.add_argument("--scale", type=float, default=3.0, help="standard deviation of the random logits")
+    p.add_argument("--steps", type=int, default=5, help="sampler calls per timed round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each kind is kept")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", dest="json_out", default=None)
 
     p = sub.add_parser("peers", help="tokenmill vs vLLM (CPU) vs llama.cpp, same model and client, one table")
@@ -330,6 +339,24 @@ def cmd_output_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sampler(args: argparse.Namespace) -> int:
+    from tokenmill.engine.bench.sampler import run_sampler_bench
+
+    _set_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches must list positive batch sizes, got {args.batches!r}")
+    for name in ("vocab", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    report = run_sampler_bench(batches, args.vocab, args.scale, args.steps, args.rounds)
+    for row in report["rows"]:
+        print(f"batch {row['batch']:>3} {row['case']:<22} full sort {row['full_sort_ms']:9.3f} ms  "
+              f"top-K path {row['top_k_path_ms']:8.3f} ms  {row['speedup']:6.2f}x", file=sys.stderr)
+    _emit(report, args.json_out)
+    return 0
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     from tokenmill.engine.bench import peers
     from tokenmill.engine.model_loader import bundled_gguf_path
@@ -362,7 +389,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
             "structured": cmd_structured, "output-path": cmd_output_path,
-            "peers": cmd_peers}
+            "peers": cmd_peers, "sampler": cmd_sampler}
 
 
 def main(argv: list[str] | None = None) -> int:
