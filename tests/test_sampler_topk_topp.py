@@ -51,7 +51,8 @@ def sampler_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[t
     fast = torch.zeros(n, dtype=torch.bool)
     k = _num_candidates(params, vocab, 1024)
     if k:
-        scores, ids, fast = _candidates(logits, temps, params, k)
+        scores, ids, ok = _candidates(logits, temps, params, k)
+        scores, ids, fast = torch.from_numpy(scores), torch.from_numpy(ids), torch.from_numpy(ok)
         out[fast] = out[fast].scatter_(1, ids[fast], scores[fast].double())
     slow = ~fast
     if slow.any():
