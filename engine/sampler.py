@@ -244,21 +244,14 @@ def _candidates(
     set provably lies inside the K: for those rows the same set and proportions as the full sort over
     the vocabulary, ties ranked by lower token id (as a stable sort of the whole row does).
 
-    Only topk and, for top_p, one normalizer pass touch whole rows (torch, on the logits' device); the
-    rest works on [m, K] in numpy, where each of its ~25 small operations costs ~1 us instead of torch's
-    ~5-15 us per op (the torch version of this function took 1.06 ms at batch 1, 0.34 of it topk and
-    the normalizer)."""
+    Only topk and, where top_p needs the exact normalizer, one pass over the rows touch the vocabulary
+    (torch, on the logits' device); the rest works on [m, K] in numpy, where each of its ~25 small
+    operations costs ~1 us instead of torch's ~5-15 us."""
     vocab = logits.shape[1]
     raw_t, ids_t = logits.topk(k_cand, dim=-1)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     cut_by_k = [0 < k < k_cand for k in top_k]
     top_p = [p.top_p for p in params]
-    z_full = None
-    if any(p < 1.0 for p in top_p) and not all(cut_by_k):
-        # The normalizer over the whole vocabulary. (logit - max) / T below -87 is exp underflow to
-        # denormals (3x slower) and adds < 1e-33 to a sum that is at least 1.
-        z_full = torch.sub(logits, raw_t[:, :1]).mul_(1.0 / temps).clamp_(min=-87.0).exp_().sum(dim=-1)
-        z_full = z_full.cpu().numpy()[:, None]
     raw, ids = raw_t.cpu().numpy(), ids_t.cpu().numpy()
     # A positive temperature keeps the order; the K values are divided exactly as the full sort's are.
     vals = raw / (temps if isinstance(temps, float) else temps.cpu().numpy())
@@ -274,18 +267,31 @@ def _candidates(
     # Rows top_k alone bounds inside the K.
     ok = np.array(cut_by_k)
     if any(p < 1.0 for p in top_p):
-        e_k = np.where(keep, e, 0.0)
-        # The normalizer: over the row's top_k where top_k cut it (all inside the K), else the vocabulary.
-        z = e_k.sum(axis=-1, keepdims=True)
-        if z_full is not None:
-            z = np.where(ok[:, None], z, z_full)
-        probs = e_k / z
-        cum = probs.cumsum(axis=-1)
         tp = _np_row([p if p < 1.0 else float("inf") for p in top_p])
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        keep &= (cum - probs) < tp
+        e_k = np.where(keep, e, 0.0)
+        # The normalizer: over the row's top_k where top_k cut it (all inside the K), else over the whole
+        # vocabulary, which lies between the K's sum and that plus (V - K) times the K-th candidate (no
+        # token outside the K is likelier). A larger normalizer only keeps more tokens, so where both
+        # ends keep the same prefix and the K's mass reaches top_p even at the upper end, that is the
+        # answer without a pass over the vocabulary (peaked rows: temperature 0.2 nearly always).
+        z = e_k.sum(axis=-1, keepdims=True)
+        z_hi = np.where(ok[:, None], z, z + (vocab - k_cand) * e[:, -1:])
+        keep_lo, _ = _top_p_keep(e_k, z, tp)
+        keep_hi, fits = _top_p_keep(e_k, z_hi, tp)
+        decided = ok | ((keep_lo == keep_hi).all(axis=-1) & fits)
+        undecided = np.flatnonzero(~decided).tolist()
+        if undecided:
+            # The exact normalizer for those rows alone. (logit - max) / T below -87 is exp underflow to
+            # denormals (3x slower) and adds < 1e-33 to a sum that is at least 1.
+            rows = torch.tensor(undecided, device=logits.device)
+            inv_t = 1.0 / (temps if isinstance(temps, float) else temps[rows])
+            z_full = torch.sub(logits[rows], raw_t[rows, :1]).mul_(inv_t).clamp_(min=-87.0).exp_().sum(dim=-1)
+            z_hi[undecided] = z_full.cpu().numpy()[:, None]
+            keep_hi[undecided], fits[undecided] = _top_p_keep(e_k[undecided], z_hi[undecided], tp if
+                                                              isinstance(tp, float) else tp[undecided])
+        keep &= keep_hi
         # Every token outside the K is dropped when the K's mass already reaches top_p.
-        ok |= (cum[:, -1:] >= tp)[:, 0]
+        ok |= fits
     # A tie between the last kept token and tokens outside the K: which of them the stable sort keeps
     # depends on ids outside the K, so such a row takes the full sort.
     last_kept = np.take_along_axis(vals, keep.sum(axis=-1, keepdims=True) - 1, -1)
@@ -300,6 +306,14 @@ def _candidates(
     # A top_k too large for the K never fits.
     ok &= ~np.array([k >= k_cand for k in top_k])
     return np.where(keep, e, 0.0).astype(np.float32), ids, ok
+
+
+def _top_p_keep(e: np.ndarray, z: np.ndarray, tp: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest prefix whose mass reaches top_p (always at least the top token) under normalizer z,
+    and whether the K's whole mass reaches it (then every token outside the K is dropped)."""
+    probs = e / z
+    cum = probs.cumsum(axis=-1)
+    return (cum - probs) < tp, (cum[:, -1:] >= tp)[:, 0]
 
 
 def _np_row(values: list[float]) -> float | np.ndarray:

@@ -110,6 +110,17 @@ def test_kept_tokens_and_probabilities_match_the_full_sort(quantize: float) -> N
             assert not fast.any()
 
 
+def test_peaked_rows_decided_without_the_normalizer_pass_match_the_full_sort() -> None:
+    # Only peaked rows: the normalizer's bounds from the K alone settle every row (no pass over the
+    # vocabulary), including rows whose nucleus has many tokens.
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(48, VOCAB, generator=g) * 6.0
+    logits[::3, :40] += 30.0  # forty near-equal top tokens far above the rest: a wide nucleus
+    for p in (SamplingParams(temperature=0.2, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_p=0.95, min_p=0.01)):
+        assert check_rows(logits, [p] * 48).all()
+
+
 def test_mixed_batch_takes_both_paths_and_matches() -> None:
     n = 6 * len(PARAMS)
     params = [PARAMS[i % len(PARAMS)] for i in range(n)]
