@@ -165,7 +165,7 @@ class Sampler:
             reqs = [reqs[i] for i in rows]
             logits = logits[torch.tensor(rows, device=self.device)]
         params = [r.params for r in reqs]
-        temps = _per_row([p.temperature for p in params], self.device)
+        temps = _per_row([float(p.temperature) for p in params], self.device)  # an int from JSON too
         sampled = torch.empty(len(reqs), dtype=torch.long, device=self.device)
 
         fast = torch.zeros(len(reqs), dtype=torch.bool, device=self.device)

@@ -211,3 +211,17 @@ def test_greedy_rows_are_the_argmax_in_a_mixed_batch() -> None:
     for i in range(1, 12, 3):
         assert tokens[i] == int(logits[i].argmax())
         assert logits[i, tokens[i]] == logits[i].max() and (logits[i, : tokens[i]] < logits[i].max()).all()
+
+
+@pytest.mark.parametrize("temps", [[1, 1, 1], [1, 2, 1]])
+def test_integer_temperatures_sample_only_kept_tokens(temps: list[int]) -> None:
+    # JSON's `"temperature": 1` arrives as an int: the same-temperature batch and a mixed one both work
+    # and keep top_p's nucleus: the first two tokens here (0.6 + 0.3 at T=1, 0.47 + 0.33 at T=2 reach 0.75).
+    logits = torch.full((VOCAB,), -40.0)
+    logits[:3] = torch.tensor([0.6, 0.3, 0.1]).log()
+    params = [SamplingParams(temperature=t, top_p=0.75) for t in temps]
+    draws = 200
+    tokens, _ = Sampler(VOCAB, torch.device("cpu"))(
+        logits.expand(draws * len(params), VOCAB).clone(), make_reqs(params * draws, [None] * draws * len(params))
+    )
+    assert set(tokens) <= {0, 1} and len(set(tokens)) == 2
