@@ -127,6 +127,30 @@ def load_weights(
         raise ValueError(f"model folder {path} is missing weights for: {shown}")
 
 
+def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage on `device`, floating ones in `dtype`:
+    `model.to(dtype).to_empty(device)` without its torch._refs.empty_like, whose first call imports sympy
+    (1.0 s of a warm `tokenmill serve` start). A tensor shared between modules stays shared."""
+    new: dict[int, torch.Tensor] = {}  # id of an original -> its replacement
+    originals: list[torch.Tensor] = []  # kept alive so that no id is reused while `new` is consulted
+
+    def replace(t: torch.Tensor, as_param: bool) -> torch.Tensor:
+        if id(t) not in new:
+            originals.append(t)
+            dt = dtype if t.is_floating_point() else t.dtype
+            empty = torch.empty(t.shape, dtype=dt, device=device)
+            new[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if as_param else empty
+        return new[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = replace(param, True)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = replace(buf, False)
+
+
 def load_model(
     path: str | pathlib.Path,
     model_config: ModelConfig | None = None,
@@ -144,7 +168,7 @@ def load_model(
     # Build on the meta device so no random init runs and nothing is allocated twice.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, SINGLE if par is None else par)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    materialize(model, dtype, torch.device(device))
     load_weights(model, config, path, par)
     model.requires_grad_(False)
     return model.eval()
