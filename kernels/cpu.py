@@ -19,7 +19,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "cpu_linear.cpp"]
+_SOURCES = [
+    _CSRC / "cpu_attention.cpp",
+    _CSRC / "cpu_layers.cpp",
+    _CSRC / "cpu_linear.cpp",
+    _CSRC / "cpu_gemm.cpp",
+]
 _HEADERS = [_CSRC / "cpu_common.h"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded op namespace, or "error": why it is unavailable

@@ -1,0 +1,117 @@
+"""The large-batch q8 kernel and the embedding lookup from codes (kernels/csrc/cpu_gemm.cpp).
+
+Both must give exactly what the small-batch kernel (cpu_linear.cpp) and the fp32 weights give: the
+kernel sums every output in the same order with the same rebuilt weights, and the lookup rebuilds the
+loaded fp32 rows. So these tests use torch.equal, not a tolerance.
+"""
+
+import pytest
+import torch
+from tokenmill.engine.layers import fp32_linear_ops, pack_cpu_weight
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    fp32_linear_ops(CPU, torch.float32) is None, reason="needs an AVX2 + FMA CPU and the C++ kernels"
+)
+
+
+def _quantized(n: int, k: int, kind: str, seed: int) -> torch.Tensor:
+    """An fp32 weight as a GGUF Q4_1 / Q8_0 tensor dequantizes to: fp16 scale (and min) per 32 of a row."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).to(torch.float16).double()
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).double()
+        m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).to(torch.float16).double()
+    else:
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).double()
+        q[..., 3] = -127
+        m = torch.zeros(n, k // 32, 1, dtype=torch.float64)
+    return (d * q + m).to(torch.float32).reshape(n, k)
+
+
+def _gemm(packed, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], packed.out_features)
+    fp32_linear_ops(CPU, torch.float32).linear_q8_gemm(out, x, packed.codes, packed.scales, packed.mins, bias)
+    return out
+
+
+# N 50 and 33: a ragged last panel; K 1056 crosses the kernel's 1024-deep K block, and with it 301 rows
+# cross its 256-row block (1 MB of x) and leave a 1-row tile (301 = 50 * 6 + 1).
+@pytest.mark.parametrize("n,k,kind", [(50, 96, "q4_1"), (64, 1056, "q8_0"), (33, 576, "q4_1")])
+def test_gemm_equals_the_small_batch_kernel_and_the_fp32_panels(n: int, k: int, kind: str) -> None:
+    w = _quantized(n, k, kind, seed=n + k)
+    blocks, panels = pack_cpu_weight(w, blocks=True), pack_cpu_weight(w, blocks=False)
+    assert blocks.codes is not None and panels.fp32 is not None
+    g = torch.Generator().manual_seed(7)
+    b = torch.randn(n, generator=g)
+    ops = fp32_linear_ops(CPU, torch.float32)
+    for rows in (1, 5, 6, 7, 17, 100, 301):
+        x = torch.randn(rows, k, generator=g)
+        for bias in (None, b):
+            got = _gemm(blocks, x, bias)
+            small = torch.empty_like(got)
+            ops.linear_packed_q8(small, x, blocks.codes, blocks.scales, blocks.mins, bias)
+            assert torch.equal(got, small)
+            assert torch.equal(got, panels.linear(x, bias))
+    # torch's GEMM on the same fp32 weight agrees to rounding (a different summation order).
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    w = _quantized(40, 1056, "q4_1", seed=3)
+    packed = pack_cpu_weight(w, blocks=True)
+    x = torch.randn(300, 1056, generator=torch.Generator().manual_seed(4))
+    full = _gemm(packed, x)
+    for i in (0, 5, 6, 255, 256, 299):
+        assert torch.equal(full[i : i + 1], _gemm(packed, x[i : i + 1].clone()))
+    strided = torch.randn(300, 2048, generator=torch.Generator().manual_seed(4))[:, :1056]  # rows 2048 apart
+    assert torch.equal(_gemm(packed, strided), _gemm(packed, strided.contiguous()))
+
+
+def test_gemm_refuses_wrong_arguments_with_the_sizes() -> None:
+    ops = fp32_linear_ops(CPU, torch.float32)
+    packed = pack_cpu_weight(_quantized(32, 64, "q4_1", seed=5), blocks=True)
+    c, s, m = packed.codes, packed.scales, packed.mins
+    with pytest.raises(RuntimeError, match=r"codes are int8 \[panels, K=96, 16\]"):
+        ops.linear_q8_gemm(torch.empty(2, 32), torch.randn(2, 96), c, s, m, None)
+    with pytest.raises(RuntimeError, match="out has 48 columns, the codes 2 panels of 16"):
+        ops.linear_q8_gemm(torch.empty(2, 48), torch.randn(2, 64), c, s, m, None)
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[32\]"):
+        ops.linear_q8_gemm(torch.empty(2, 32), torch.randn(2, 64), c, s, m, torch.randn(31))
+    with pytest.raises(RuntimeError, match=r"scales and mins are float32 \[2, 2, 16\]"):
+        ops.linear_q8_gemm(torch.empty(2, 32), torch.randn(2, 64), c, s[:1].contiguous(), m, None)
+    with pytest.raises(RuntimeError, match="x must be 2-D float32"):
+        ops.linear_q8_gemm(torch.empty(2, 32), torch.randn(2, 64).double(), c, s, m, None)
+    with pytest.raises(RuntimeError, match="out must be 2-D float32"):
+        ops.linear_q8_gemm(torch.empty(3, 32), torch.randn(2, 64), c, s, m, None)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_embedding_from_codes_gives_the_fp32_rows(kind: str) -> None:
+    vocab, hidden = 101, 96  # 101: a ragged last panel
+    w = _quantized(vocab, hidden, kind, seed=8)
+    packed = pack_cpu_weight(w, blocks=True)
+    ops = fp32_linear_ops(CPU, torch.float32)
+    ids = torch.tensor([0, 100, 15, 16, 17, 3, 3, 99])
+    out = torch.empty(len(ids), hidden)
+    ops.embedding_q8(out, ids, packed.codes, packed.scales, packed.mins, vocab)
+    assert torch.equal(out, w[ids])
+    every = torch.empty(vocab, hidden)
+    ops.embedding_q8(every, torch.arange(vocab), packed.codes, packed.scales, packed.mins, vocab)
+    assert torch.equal(every, w)
+    with pytest.raises(RuntimeError, match=r"id 101 is outside the vocabulary \[0, 101\)"):
+        ops.embedding_q8(
+            torch.empty(1, hidden), torch.tensor([101]), packed.codes, packed.scales, packed.mins, vocab
+        )
+    with pytest.raises(RuntimeError, match=r"id -1 is outside"):
+        ops.embedding_q8(
+            torch.empty(1, hidden), torch.tensor([-1]), packed.codes, packed.scales, packed.mins, vocab
+        )
+    with pytest.raises(RuntimeError, match="num_rows=120 does not fit 7 panels of 16"):
+        ops.embedding_q8(
+            torch.empty(1, hidden), torch.tensor([0]), packed.codes, packed.scales, packed.mins, 120
+        )
+    with pytest.raises(RuntimeError, match=r"out must be contiguous float32 \[1, 96\]"):
+        ops.embedding_q8(
+            torch.empty(1, 95), torch.tensor([0]), packed.codes, packed.scales, packed.mins, vocab
+        )
