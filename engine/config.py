@@ -28,3 +28,8 @@ class EngineConfig:
 
 
 DEFAULTS = EngineConfig()  # the one place defaults live; the CLI and LLM() read them from here
+
+# /health and /live stall bounds (entrypoints/health.py); here so that `tokenmill serve` parses its flags
+# without importing the web stack.
+DEFAULT_READINESS_STALL_S = 15.0
+DEFAULT_LIVENESS_STALL_S = 60.0

@@ -179,10 +179,11 @@ class MPClient:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    async def start(self) -> EngineInfo:
+    def launch(self) -> None:
+        """Start the core process (no event loop needed): `tokenmill serve` calls this before its own
+        imports, so that the core's imports and model load overlap them. start() calls it if not done."""
         import zmq
 
-        self._out = _OutputQueue()
         self._dir = tempfile.mkdtemp(prefix="tokenmill-ipc-")
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._ctx = zmq.Context()
@@ -206,6 +207,11 @@ class MPClient:
         # core down in order instead of both dying at once.
         self.proc = subprocess.Popen(cmd, start_new_session=True)
         logger.info("engine core process started (pid %d)", self.proc.pid)
+
+    async def start(self) -> EngineInfo:
+        if self.proc is None:
+            self.launch()
+        self._out = _OutputQueue()  # what the core sent meanwhile waits in the output socket
         self._thread = threading.Thread(target=self._receive_loop, name="engine-core-receiver", daemon=True)
         self._thread.start()
         return await self._out.first()
@@ -235,7 +241,7 @@ class MPClient:
     def _send(self, msg: tuple) -> None:
         import zmq
 
-        if self._out.dead is not None:
+        if self._out is not None and self._out.dead is not None:
             raise EngineDeadError(self._out.dead)
         try:
             self._input.send(core_proc.encode(msg), zmq.NOBLOCK)
@@ -255,7 +261,8 @@ class MPClient:
         return await self._out.next()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        if self.proc is None:
+        """Stop the core and free the sockets; a second call does nothing."""
+        if self.proc is None or self._closing:
             return
         self._closing = True
         if self.proc.poll() is None:

@@ -29,6 +29,9 @@ from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, Schedu
 from tokenmill.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.engine.core")
+# The core process runs this module first; the few light imports above are all it has done so far, so
+# the engine core's start-up "imports" phase counts from here.
+_STARTED = time.monotonic()
 
 # API process -> core
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
@@ -192,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         try:
+            from tokenmill.engine.engine_capacity import StartupTimer
             from tokenmill.engine.engine_core import EngineCore
 
-            core = EngineCore(EngineConfig(**json.loads(args.config_json)))
+            timer = StartupTimer(_STARTED)
+            core = EngineCore(EngineConfig(**json.loads(args.config_json)), timer)
         except Exception as e:
             send((STARTUP_ERROR, startup_error_message(e)))
             return 1

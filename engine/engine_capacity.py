@@ -1,7 +1,8 @@
 """What a loaded engine holds (KV pool, limits, load time): sent from the engine core to the API process
 in its READY message, so this module imports no torch."""
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -22,6 +23,13 @@ class EngineCapacity:
     kv_bytes_per_token: int = 0  # per rank: kv_memory.kv_bytes_per_token, what the operator sizes with
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Seconds of each start-up phase of the engine core, in order (StartupTimer); "imports" is the core
+    # process's Python imports, before model_load_seconds starts counting.
+    startup_seconds: dict[str, float] = field(default_factory=dict)
+
+    def describe_startup(self) -> str:
+        """'imports 3.1s, config 0.0s, ...': where the engine core's start went."""
+        return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.startup_seconds.items())
 
     def describe(self) -> str:
         ranks = ""
@@ -36,3 +44,16 @@ class EngineCapacity:
             f"{self.max_model_len}: {self.max_concurrency:.2f}x concurrency at full length; max_num_seqs "
             f"{self.max_num_seqs}"
         )
+
+
+class StartupTimer:
+    """Wall seconds per start-up phase: mark(name) closes the phase that began at the previous mark."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.last = time.monotonic() if start is None else start
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now

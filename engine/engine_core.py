@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from tokenmill.engine import kv_memory
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.engine_capacity import EngineCapacity
+from tokenmill.engine.engine_capacity import EngineCapacity, StartupTimer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.model_loader import load_model, resolve_dtype, resolve_model
@@ -58,8 +58,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, timer: StartupTimer | None = None) -> None:
+        """timer: the start-up phases so far (core_proc.py's, with the process's imports); they and this
+        constructor's go into capacity.startup_seconds."""
         t0 = time.monotonic()
+        if timer is None:
+            timer = StartupTimer(t0)
+        else:
+            timer.mark("imports")
         self.config = config
         _validate_config(config)
         self.model_path = resolve_model(config.model)
@@ -94,6 +100,7 @@ class EngineCore:
         if sized_early:
             num_blocks = self._num_kv_blocks(kv_per_token)
             self._check_pool(num_blocks, kv_per_token, dtype_name)
+        timer.mark("config")
         par = SINGLE
         if tp * pp > 1:  # the other ranks start now and load their shards alongside this one
             step_bytes = 8 * max_packed_len(
@@ -103,8 +110,15 @@ class EngineCore:
                 dataclasses.replace(config, model=str(self.model_path)), self.device, step_bytes
             )
             par = self.group.par
+            timer.mark("ranks")
+        if self.device.type == "cpu":
+            # Build (or load) the C++ kernels now, while /health still says loading: built lazily, the
+            # first request waited for the compile (15-45 s) and a client's timeout cut it.
+            cpu_kernels.load()
+            timer.mark("kernels")
         torch.manual_seed(config.seed)
         model = load_model(self.model_path, mc, self.dtype, self.device, par)
+        timer.mark("weights")
         if not sized_early:
             num_blocks = self._num_kv_blocks(kv_per_token)
         num_blocks = agree_num_kv_blocks(num_blocks, par)
@@ -112,12 +126,10 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self.runner = make_runner(model, mc, config, num_blocks, max_model_len, self.dtype, self.device, par)
+        timer.mark("runner")  # packing the weights for the CPU kernel, the KV pool
         self.structured_outputs = StructuredOutputManager(self.model_path, mc.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
-        if self.device.type == "cpu":
-            # Build (or load) the C++ kernels now, while /health still says loading: built lazily, the
-            # first request waited for the compile (15-45 s) and a client's timeout cut it.
-            cpu_kernels.load()
+        timer.mark("other")
         self.capacity = EngineCapacity(
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
@@ -132,8 +144,10 @@ class EngineCore:
             kv_bytes_per_token=kv_per_token,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
+            startup_seconds=dict(timer.phases),
         )
         logger.info(self.capacity.describe())
+        logger.info("engine core start-up: %s", self.capacity.describe_startup())
 
     def shutdown(self) -> None:
         """Stop the other parallel ranks (nothing to do on one rank); also runs at interpreter exit."""

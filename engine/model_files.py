@@ -46,11 +46,45 @@ def cache_root() -> pathlib.Path:
 
 
 def gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
-    """Where the converted form of gguf_path lives; the key changes when the file or the converter does."""
+    """Where the converted form of gguf_path lives, keyed by the file's content and CONVERTER_VERSION (the
+    converter's output format): the same GGUF installed in another venv or checkout (another path and
+    mtime) reuses the conversion; a changed file or format gets a folder of its own."""
+    key = f"{CONVERTER_VERSION}:{file_digest(gguf_path)}"
+    return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _legacy_gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
+    """The folder earlier versions keyed by path, size and mtime; moved to gguf_cache_dir when found."""
     st = gguf_path.stat()
     key = f"{CONVERTER_VERSION}:{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / f"{gguf_path.stem}-{digest}"
+    return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def file_digest(path: pathlib.Path) -> str:
+    """sha256 of the file's bytes, remembered under cache_root()/.digests by path, size and mtime: hashing
+    the bundled 98 MB GGUF takes a few tenths of a second, once per installed copy."""
+    st = path.stat()
+    where = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    memo = cache_root() / ".digests" / hashlib.sha256(where.encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:  # a memo only: a read-only cache just means hashing again next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return digest
 
 
 def _remove_stale_tmp(root: pathlib.Path) -> None:
@@ -71,6 +105,14 @@ def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
     final = gguf_cache_dir(gguf_path)
     if (final / "config.json").is_file():
         return final
+    legacy = _legacy_gguf_cache_dir(gguf_path)
+    if (legacy / "config.json").is_file():
+        try:
+            os.rename(legacy, final)
+            return final
+        except OSError:
+            if (final / "config.json").is_file():  # another process moved it first
+                return final
     from tokenmill.engine.gguf_convert import convert_gguf  # imports torch: only on a cache miss
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +149,29 @@ def resolve_model(
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a Hugging Face folder")
     return convert_gguf_cached(path)
+
+
+def resolve_model_if_ready(model: str | os.PathLike | None, revision: str | None = None) -> pathlib.Path | None:
+    """The folder resolve_model(model, revision) returns, when finding it takes no download and no
+    conversion (a local HF folder, a GGUF already converted); else None, also for anything resolve_model
+    would refuse (it then says why). Fast: a few stat calls."""
+    from tokenmill.engine.model_source import ModelSourceError, parse_model_source
+
+    try:
+        source = parse_model_source(model, revision)
+        if source.scheme == "hf":
+            return None
+        path = bundled_gguf_path() if source.scheme == "bundled" else source.path
+        if path is None:
+            return None
+        if path.is_dir():
+            return path if (path / "config.json").is_file() else None
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            final = gguf_cache_dir(path)
+            return final if (final / "config.json").is_file() else None
+    except (ModelSourceError, OSError, ValueError):
+        pass
+    return None
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Start-up path: what a warm `tokenmill serve` start skips or reuses, checked by what it produces."""
 
 import copy
+import os
 
 import torch
 from tokenmill.engine.model_loader import materialize
@@ -24,3 +25,69 @@ def test_materialize_matches_to_empty_and_keeps_shared_tensors_shared() -> None:
     got = {k: (v.shape, v.dtype) for k, v in m.state_dict().items()}
     assert got == reference  # ids stays int64, floating tensors become bf16
     assert {t.device.type for t in m.state_dict().values()} == {"cpu"}
+
+
+def test_gguf_cache_is_keyed_by_content_not_by_path(tmp_path, monkeypatch) -> None:
+    from tokenmill.engine import model_files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((a, b"GGUF same bytes"), (b, b"GGUF same bytes"), (c, b"GGUF other bytes")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    # Another venv's copy of the same file (another path, another mtime) finds the same conversion.
+    assert model_files.gguf_cache_dir(a) == model_files.gguf_cache_dir(b)
+    assert model_files.gguf_cache_dir(a) != model_files.gguf_cache_dir(c)
+    assert len(list((tmp_path / "cache" / "tokenmill" / "models" / ".digests").iterdir())) == 3
+    # A rewritten file (new mtime) is hashed again, not answered from the memo.
+    c.write_bytes(b"GGUF same bytes")
+    os.utime(c, ns=(1, 1))
+    assert model_files.gguf_cache_dir(c) == model_files.gguf_cache_dir(a)
+
+
+def test_a_conversion_cached_under_the_old_path_key_is_moved_not_redone(tmp_path, monkeypatch) -> None:
+    from tokenmill.engine import model_files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not a real GGUF: converting it would fail")
+    legacy = model_files._legacy_gguf_cache_dir(gguf)
+    legacy.mkdir(parents=True)
+    (legacy / "config.json").write_text("{}")
+    folder = model_files.convert_gguf_cached(gguf)
+    assert folder == model_files.gguf_cache_dir(gguf) and (folder / "config.json").read_text() == "{}"
+    assert not legacy.exists()
+    assert model_files.resolve_model_if_ready(gguf) == folder
+
+
+def test_resolve_model_if_ready_answers_only_when_no_work_is_needed(tmp_path, monkeypatch) -> None:
+    from tokenmill.engine.model_files import resolve_model_if_ready
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    assert resolve_model_if_ready(str(folder)) is None  # no config.json: resolve_model says why
+    (folder / "config.json").write_text("{}")
+    assert resolve_model_if_ready(str(folder)) == folder
+    assert resolve_model_if_ready(f"file://{folder}") == folder
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model_if_ready(str(gguf)) is None  # not converted yet
+    assert resolve_model_if_ready("hf://org/name") is None  # the hub is asked by resolve_model only
+    assert resolve_model_if_ready(str(tmp_path / "missing")) is None
+
+
+def test_bench_startup_reports_a_real_start_whose_engine_core_launched_before_the_web_stack(
+    bundled_model_dir,
+) -> None:
+    """A warm start (the bundled model converted already) launches the engine core before the API
+    process's own imports, and the ready line reports the core's start-up phases."""
+    from tokenmill.engine.bench.startup import run_startup_bench
+
+    args = ["--max-model-len", "256", "--num-kv-blocks", "16", "--max-num-seqs", "2", "--dtype", "float32"]
+    report = run_startup_bench(args, runs=1, discard_first=False, timeout_s=300)
+    (run,) = report["runs"]
+    assert run["exit_code"] == 0
+    assert run["first_http_answer_s"] <= run["health_200_s"]
+    assert run["engine_core_launched_s"] < run["api_listening_s"]
+    assert ["imports", "config", "kernels", "weights", "runner", "other"] == list(run["engine_core_phases_s"])

@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers|sampler`."""
+"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers|sampler|startup`."""
 
 import argparse
 import asyncio
@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each kind is kept")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("startup", help="time to ready of `tokenmill serve` (/health 200), several starts, with "
+                       "the engine core's start-up phases")
+    p.add_argument("--runs", type=int, default=3, help="starts measured")
+    p.add_argument("--discard-first", action="store_true", help="one more start first, not counted (a cold cache)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for `tokenmill serve`")
 
     p = sub.add_parser("peers", help="tokenmill vs vLLM (CPU) vs llama.cpp, same model and client, one table")
     p.add_argument("--engines", default="tokenmill,vllm,llama.cpp", help="comma list, run in this order")
@@ -357,6 +365,16 @@ def cmd_sampler(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_startup(args: argparse.Namespace) -> int:
+    from tokenmill.engine.bench.startup import run_startup_bench
+
+    if args.runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    _emit(run_startup_bench(serve_args, args.runs, args.discard_first, args.timeout), args.json_out)
+    return 0
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     from tokenmill.engine.bench import peers
     from tokenmill.engine.model_loader import bundled_gguf_path
@@ -389,7 +407,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
             "structured": cmd_structured, "output-path": cmd_output_path,
-            "peers": cmd_peers, "sampler": cmd_sampler}
+            "peers": cmd_peers, "sampler": cmd_sampler, "startup": cmd_startup}
 
 
 def main(argv: list[str] | None = None) -> int:

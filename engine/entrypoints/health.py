@@ -15,10 +15,10 @@ Both are flags (and TOKENMILL_* variables) of `tokenmill serve`; docs/reliabilit
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
+from tokenmill.engine.config import DEFAULT_LIVENESS_STALL_S, DEFAULT_READINESS_STALL_S
 from tokenmill.engine.entrypoints.server_state import ServerState
 
-DEFAULT_READINESS_STALL_S = 15.0
-DEFAULT_LIVENESS_STALL_S = 60.0
+__all__ = ["DEFAULT_LIVENESS_STALL_S", "DEFAULT_READINESS_STALL_S", "HealthConfig", "liveness", "readiness"]
 
 
 @dataclass(slots=True)
