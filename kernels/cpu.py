@@ -1,10 +1,10 @@
 """The C++ CPU kernels (kernels/csrc/): built on first use with torch.utils.cpp_extension, cached.
 
 The build goes to torch's extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR) under a
-name that hashes the source and this machine's CPU flags, so a second process loads the .so in
-milliseconds and a machine with other CPU features never loads a binary built with -march=native
-elsewhere. When the build fails (no C++ compiler, no ninja) the failure is logged once and callers
-fall back to the torch reference; TOKENMILL_CPU_KERNELS=0 turns the kernels off on purpose.
+name that hashes the sources, the compiler flags, torch's version and this machine's CPU flags, so a
+second process loads the .so directly in milliseconds (no ninja run) and a machine with other CPU
+features never loads a binary built with -march=native elsewhere. When the build fails (no C++
+compiler, no ninja) the failure is logged once and callers fall back to the torch reference; TOKENMILL_CPU_KERNELS=0 turns the kernels off on purpose.
 """
 
 import hashlib
@@ -26,6 +26,8 @@ _SOURCES = [
     _CSRC / "cpu_gemm.cpp",
 ]
 _HEADERS = [_CSRC / "cpu_common.h"]
+# fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity).
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded op namespace, or "error": why it is unavailable
 
@@ -41,11 +43,29 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
+    """Names the build by everything that shapes the binary, so a library found under it is current."""
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
-    digest.update(_cpu_flags().encode() + torch.__version__.encode())
+    digest.update(_cpu_flags().encode() + torch.__version__.encode() + " ".join(_CFLAGS).encode())
     return f"tokenmill_cpu_{digest.hexdigest()[:16]}"
+
+
+def _built_library(name: str) -> Path | None:
+    """The library an earlier process built under `name`, where torch.utils.cpp_extension puts it
+    (its _get_build_directory, followed here without importing that module and setuptools: 0.2 s of a
+    warm start); None when absent. A layout torch changes only makes this miss: load() then builds."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        import torch._appdirs  # small; what cpp_extension.get_default_build_root asks
+
+        if torch.version.hip is not None:
+            return None
+        tag = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+        cache = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+        root = os.path.join(cache, f"py{sys.version_info.major}{sys.version_info.minor}_{tag}")
+    library = Path(root) / name / f"{name}.so"
+    return library if library.is_file() else None
 
 
 def enabled() -> bool:
@@ -61,6 +81,15 @@ def load() -> object | None:
     with _lock:
         if "ops" in _state or "error" in _state:
             return _state.get("ops")
+        name = _build_name()
+        library = _built_library(name)
+        if library is not None:
+            try:  # built before from these very sources and flags: no ninja run, no compiler check
+                torch.ops.load_library(str(library))
+                _state["ops"] = torch.ops.tokenmill_cpu
+                return _state["ops"]
+            except (OSError, RuntimeError) as e:
+                logger.warning("cannot load the cached C++ kernels %s (%s); building them again", library, e)
         try:
             from torch.utils.cpp_extension import load as load_extension
 
@@ -71,10 +100,9 @@ def load() -> object | None:
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
             load_extension(
-                name=_build_name(),
+                name=name,
                 sources=[str(p) for p in _SOURCES],
-                # fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity).
-                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"],
+                extra_cflags=_CFLAGS,
                 is_python_module=False,
                 verbose=False,
             )
