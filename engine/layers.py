@@ -5,6 +5,7 @@ normalised value cast back before the weight multiply, cos/sin computed in fp32 
 dtype), so fp32 outputs agree with transformers to rounding and bf16 outputs round the same way.
 """
 
+import ctypes
 import functools
 import math
 import os
@@ -59,10 +60,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Rows up to which the packed fp32 kernel runs a linear; larger batches go to torch's GEMM on the fp32
-# weight. Measured on the 2-core AVX2 EPYC (docs/benchmarks.md): the kernel wins where a step reads more
-# weight than it computes (1-8 rows measured: up to 2.5x torch on SmolLM2's shapes), ties at 64 and loses at 256,
-# where torch's GEMM blocks for the caches better.
+# Rows up to which the small-batch kernel (cpu_linear.cpp) runs a linear, which reads each weight once
+# per step. On integer blocks larger batches go to the cache-blocked kernel (cpu_gemm.cpp), which ran
+# every measured batch of SmolLM2's shapes (32-2048 rows, 2-core AVX2 EPYC) in less CPU time than torch's
+# fp32 GEMM, so such a weight keeps no fp32 copy; fp32-panel weights run larger batches through torch.
 CPU_PACKED_MAX_ROWS = 16
 
 
@@ -104,16 +105,35 @@ class CpuPackedWeight:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         ops = cpu_kernels.load()
-        if self.codes is not None:
+        if self.codes is not None and rows.shape[0] > CPU_PACKED_MAX_ROWS:
+            ops.linear_q8_gemm(out, rows, self.codes, self.scales, self.mins, bias)
+        elif self.codes is not None:
             ops.linear_packed_q8(out, rows, self.codes, self.scales, self.mins, bias)
         else:
             ops.linear_packed(out, rows, self.fp32, bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids [T] of the weight [T, in], rebuilt from the codes: the fp32 values it was loaded with."""
+        out = torch.empty(ids.shape[0], self.codes.shape[1], dtype=torch.float32)
+        ids = ids if ids.dtype == torch.int64 else ids.long()
+        cpu_kernels.load().embedding_q8(out, ids, self.codes, self.scales, self.mins, self.out_features)
+        return out
+
     @property
     def nbytes(self) -> int:
         parts = (self.fp32, self.codes, self.scales, self.mins)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim). Weights of a few MB can sit in the
+    heap rather than in their own mappings (glibc raises its mmap threshold up to 32 MB as mapped blocks
+    are freed), and freeing them then leaves the process's RSS as it was."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def pack_cpu_weight(weight: torch.Tensor, blocks: bool | None = None) -> CpuPackedWeight:
@@ -145,13 +165,18 @@ class Linear(nn.Linear):
     def prepack(self) -> None:
         self.packed = prepack_weight(self.weight)
 
-    def pack_cpu(self, blocks: bool | None = None) -> None:
-        """Pack for the fp32 CPU kernel. The [out, in] weight stays: batches over CPU_PACKED_MAX_ROWS
-        rows (prompt chunks, large decode batches) run faster through torch's GEMM."""
+    def pack_cpu(self, blocks: bool | None = None, keep_fp32: bool = False) -> None:
+        """Pack for the fp32 CPU kernel. A weight found as integer blocks then runs every batch from its
+        codes and its [out, in] fp32 copy is dropped (unless keep_fp32); an fp32-panel weight keeps it,
+        for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM."""
         self.packed_cpu = pack_cpu_weight(self.weight, blocks)
+        if self.packed_cpu.codes is not None and not keep_fp32:
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_cpu is not None and x.numel() <= CPU_PACKED_MAX_ROWS * x.shape[-1]:
+        if self.packed_cpu is not None and (
+            self.weight is None or x.numel() <= CPU_PACKED_MAX_ROWS * x.shape[-1]
+        ):
             return self.packed_cpu.linear(x, self.bias)
         if self.packed is not None and x.shape[0] >= PREPACK_MIN_ROWS:
             return packed_linear(x, self.packed, self.bias)

@@ -7,7 +7,8 @@ loaded fp32 rows. So these tests use torch.equal, not a tolerance.
 
 import pytest
 import torch
-from tokenmill.engine.layers import fp32_linear_ops, pack_cpu_weight
+from tokenmill.engine.layers import CPU_PACKED_MAX_ROWS, Linear, fp32_linear_ops, pack_cpu_weight
+from tokenmill.engine.models.llama import VocabParallelEmbedding
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -115,3 +116,41 @@ def test_embedding_from_codes_gives_the_fp32_rows(kind: str) -> None:
         ops.embedding_q8(
             torch.empty(1, 95), torch.tensor([0]), packed.codes, packed.scales, packed.mins, vocab
         )
+
+
+def test_a_linear_on_integer_blocks_drops_its_fp32_weight_and_runs_every_batch_from_codes() -> None:
+    w = _quantized(50, 96, "q4_1", seed=9)
+    g = torch.Generator().manual_seed(10)
+    b = torch.randn(50, generator=g)
+    dropped, kept = Linear(96, 50, bias=True), Linear(96, 50, bias=True)
+    for lin in (dropped, kept):
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+    dropped.pack_cpu()
+    kept.pack_cpu(keep_fp32=True)  # as under tensor parallelism
+    assert dropped.weight is None and dropped.packed_cpu.codes is not None
+    assert kept.weight is not None
+    ops = fp32_linear_ops(CPU, torch.float32)
+    for rows in (1, CPU_PACKED_MAX_ROWS, CPU_PACKED_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96, generator=g)
+        small = torch.empty(rows, 50)
+        ops.linear_packed_q8(
+            small, x, dropped.packed_cpu.codes, dropped.packed_cpu.scales, dropped.packed_cpu.mins, b
+        )
+        assert torch.equal(dropped(x), small)
+        # With the fp32 weight kept, batches past the small-batch kernel still go to torch's GEMM.
+        expect = small if rows <= CPU_PACKED_MAX_ROWS else torch.nn.functional.linear(x, w, b)
+        assert torch.equal(kept(x), expect)
+
+
+def test_a_tied_embedding_without_its_fp32_matrix_looks_rows_up_in_the_codes() -> None:
+    w = _quantized(70, 64, "q8_0", seed=11)
+    emb = VocabParallelEmbedding(70, 64)
+    with torch.no_grad():
+        emb.weight.copy_(w)
+    ids = torch.tensor([69, 0, 16, 16, 33], dtype=torch.int64)
+    expect = emb(ids)
+    emb.packed_cpu, emb.weight = pack_cpu_weight(w, blocks=True), None
+    assert torch.equal(emb(ids), expect)
+    assert torch.equal(emb(ids.int()), expect)

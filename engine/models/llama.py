@@ -25,6 +25,7 @@ from tokenmill.engine.layers import (
     pack_cpu_weight,
     packed_linear,
     prepack_weight,
+    release_freed_memory,
     silu_and_mul,
 )
 from tokenmill.engine.model_config import ModelConfig
@@ -107,8 +108,13 @@ class VocabParallelEmbedding(nn.Module):
         self.par = par
         self.first, rows = vocab_shard(vocab_size, par.tp_rank, par.tp_size)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        # Set (and weight dropped) when a tied LM head's integer blocks stand for the matrix: rows are
+        # then rebuilt from the codes (pack_linears_cpu).
+        self.packed_cpu: CpuPackedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.packed_cpu.embedding(input_ids)
         if self.par.tp_group is None:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.first
@@ -210,12 +216,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (only the rows that need a next token) -> fp32 logits [N, vocab]
         (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
-        if self.lm_head_packed_cpu is not None and hidden.shape[0] <= CPU_PACKED_MAX_ROWS:
-            local = self.lm_head_packed_cpu.linear(hidden)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        packed = self.lm_head_packed_cpu
+        if packed is not None and (weight is None or hidden.shape[0] <= CPU_PACKED_MAX_ROWS):
+            local = packed.linear(hidden)
         elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
             local = packed_linear(hidden, self.lm_head_packed).float()
         else:
-            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             local = F.linear(hidden, weight).float()
         return tp_gather_vocab(local, self.par, self.config.vocab_size)
 
@@ -229,14 +236,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_packed = prepack_weight(weight)
 
     def pack_linears_cpu(self, blocks: bool | None = None) -> None:
-        """Give every projection and the LM head the fp32 CPU kernel's packed weights, used for batches
-        up to CPU_PACKED_MAX_ROWS rows (the fp32 weights stay for larger ones)."""
+        """Give every projection and the LM head the fp32 CPU kernel's packed weights. Weights found as
+        integer blocks then run every batch from their codes and their fp32 copies are dropped (a tied
+        embedding looks its rows up in the codes); with tensor parallelism they stay, and batches over
+        CPU_PACKED_MAX_ROWS rows run through torch's GEMM as for fp32-panel weights."""
+        keep_fp32 = self.par.tp_size > 1
         for module in self.model.modules():
             if isinstance(module, Linear):
-                module.pack_cpu(blocks)
+                module.pack_cpu(blocks, keep_fp32)
         if self.par.is_last_stage:
             if self.lm_head is None:
-                self.lm_head_packed_cpu = pack_cpu_weight(self.model.embed_tokens.weight, blocks)
+                embed = self.model.embed_tokens
+                self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks)
+                if self.lm_head_packed_cpu.codes is not None and not keep_fp32:
+                    embed.packed_cpu, embed.weight = self.lm_head_packed_cpu, None
             else:
-                self.lm_head.pack_cpu(blocks)
+                self.lm_head.pack_cpu(blocks, keep_fp32)
                 self.lm_head_packed_cpu = self.lm_head.packed_cpu
+        release_freed_memory()
