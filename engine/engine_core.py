@@ -10,10 +10,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tokenmill.engine import kv_memory
+from tokenmill.engine import block_cache, kv_memory, weight_blocks
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine_capacity import EngineCapacity, StartupTimer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.layers import cpu_linear_mode
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.model_loader import load_model, resolve_dtype, resolve_model
 from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -125,8 +126,21 @@ class EngineCore:
         self._check_pool(num_blocks, kv_per_token, dtype_name)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
-        self.runner = make_runner(model, mc, config, num_blocks, max_model_len, self.dtype, self.device, par)
+        blocks = None
+        packs_blocks = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_mode() == "1"
+        if packs_blocks and tp * pp == 1 and cpu_kernels.available():
+            # The integer blocks of these weights, found at an earlier start (block_cache.py).
+            blocks = weight_blocks.block_cache = block_cache.open_cache(
+                model, self.model_path, cpu_kernels.build_name()
+            )
+        try:
+            self.runner = make_runner(model, mc, config, num_blocks, max_model_len, self.dtype, self.device, par)
+        finally:
+            weight_blocks.block_cache = None
         timer.mark("runner")  # packing the weights for the CPU kernel, the KV pool
+        if blocks is not None:
+            block_cache.save_cache(blocks)
+            timer.mark("block cache")
         self.structured_outputs = StructuredOutputManager(self.model_path, mc.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
         timer.mark("other")

@@ -15,6 +15,9 @@ import torch
 from tokenmill.kernels import cpu as cpu_kernels
 
 BLOCK = 32  # weights per scale/min pair along a row: GGUF's block size for Q4_0/Q4_1/Q8_0
+# The blocks of a model found at an earlier start (engine/block_cache.py): set by EngineCore while it
+# packs the weights, so find_weight_blocks reads them back instead of searching (about 1 s).
+block_cache = None
 
 
 @dataclass
@@ -41,8 +44,14 @@ def find_weight_blocks(weight: torch.Tensor) -> WeightBlocks | None:
     ops = cpu_kernels.load()
     if ops is None:
         return None
+    cache = block_cache
+    if cache is not None and (known := cache.get(weight)) is not None:
+        return known
     codes, scales, mins, ok = ops.find_weight_blocks(weight.detach())
-    return WeightBlocks(codes, scales, mins) if ok else None
+    found = WeightBlocks(codes, scales, mins) if ok else None
+    if cache is not None and found is not None:
+        cache.put(weight, found)
+    return found
 
 
 def to_panels(t: torch.Tensor, panel: int = 16) -> torch.Tensor:

@@ -42,6 +42,11 @@ def _cpu_flags() -> str:
     return ""
 
 
+def build_name() -> str:
+    """What the build is named by (sources, flags, torch, CPU): a key for results that depend on the code."""
+    return _build_name()
+
+
 def _build_name() -> str:
     """Names the build by everything that shapes the binary, so a library found under it is current."""
     digest = hashlib.sha256()

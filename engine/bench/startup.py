@@ -23,7 +23,7 @@ import urllib.request
 from typing import Any
 
 POLL_S = 0.02
-_PHASE = re.compile(r"(\w+) ([0-9.]+)s")
+_PHASE = re.compile(r"(.+) ([0-9.]+)s")
 _STARTUP = re.compile(r"engine core start-up: (.*)\)\s*$")
 
 
@@ -47,7 +47,9 @@ def _health(url: str) -> int | None:
 def parse_phases(ready_line: str) -> dict[str, float]:
     """{'imports': 3.1, ...} from the ready line's "engine core start-up: imports 3.1s, ..." part."""
     m = _STARTUP.search(ready_line)
-    return {} if m is None else {name: float(sec) for name, sec in _PHASE.findall(m.group(1))}
+    if m is None:
+        return {}
+    return {name: float(sec) for name, sec in (_PHASE.fullmatch(part).groups() for part in m.group(1).split(", "))}
 
 
 def one_start(serve_args: list[str], timeout_s: float) -> dict[str, Any]:
