@@ -2,7 +2,6 @@
 
 import numpy as np
 import torch
-import xgrammar as xgr
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
@@ -33,7 +32,7 @@ class Sampler:
         # Structured outputs: xgrammar's packed allowed-token bitmask (int32 words, bit j of word k is
         # token 32k+j), grown to the largest batch seen and reused; matchers fill it on the CPU.
         self._bitmask = torch.empty(0, (vocab_size + 31) // 32, dtype=torch.int32)
-        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
+        self._batch_matcher = None  # built with the first grammar row: importing xgrammar takes 2 s of a start
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: float32 [len(reqs), vocab]. Returns one token per row and its logprobs where asked."""
@@ -111,6 +110,10 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return logits
+        import xgrammar as xgr  # loaded already: it compiled these rows' grammars
+
+        if self._batch_matcher is None:
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
         n = logits.shape[0]
         if self._bitmask.shape[0] < n:
             self._bitmask = torch.empty(n, self._bitmask.shape[1], dtype=torch.int32)

@@ -11,13 +11,14 @@ import concurrent.futures
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
 from tokenmill.engine.model_loader import load_tokenizer
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import StructuredOutputsParams
-from tokenmill.engine.structured_output import GrammarCompiler, compiler_for
+
+if TYPE_CHECKING:  # xgrammar (and the transformers it imports: 2 s of an engine start) on first use only
+    from tokenmill.engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,11 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self.pending: list[PendingRequest] = []
 
-    def compiler(self) -> GrammarCompiler:
+    def compiler(self) -> "GrammarCompiler":
         """Built on first use (loads the tokenizer and builds xgrammar's tokenizer info, ~1 s)."""
         if self._compiler is None:
+            from tokenmill.engine.structured_output import compiler_for
+
             tokenizer = load_tokenizer(self.model_path)
             self._compiler = compiler_for(tokenizer, self.vocab_size, self.eos_token_ids)
         return self._compiler
@@ -73,6 +76,8 @@ class StructuredOutputManager:
                 continue
             err = p.future.exception()
             if err is None:
+                import xgrammar as xgr  # imported by the compile already
+
                 compiled = p.future.result()
                 for seq in p.seqs:  # n > 1: each choice its own matcher
                     seq.grammar = xgr.GrammarMatcher(compiled)
