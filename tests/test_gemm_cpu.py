@@ -154,3 +154,23 @@ def test_a_tied_embedding_without_its_fp32_matrix_looks_rows_up_in_the_codes() -
     emb.packed_cpu, emb.weight = pack_cpu_weight(w, blocks=True), None
     assert torch.equal(emb(ids), expect)
     assert torch.equal(emb(ids.int()), expect)
+
+
+def test_the_bundled_model_keeps_no_fp32_copy_of_its_quantized_weights(bundled_model_dir) -> None:
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.model_loader import load_model
+
+    config = load_model_config(bundled_model_dir)
+    model = load_model(bundled_model_dir, config, torch.float32, "cpu")
+    ids = torch.tensor([1, 500, 49151])
+    rows = model.model.embed_tokens(ids)
+    model.pack_linears_cpu()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down per layer (tied LM head)
+    assert all(m.weight is None and m.packed_cpu.codes is not None for m in linears)
+    assert model.model.embed_tokens.weight is None and model.lm_head_packed_cpu.codes is not None
+    assert torch.equal(model.model.embed_tokens(ids), rows)
+    # What stays for the linears: 1.25 bytes per weight plus the per-panel padding.
+    weights = sum(m.in_features * m.out_features for m in linears) + config.vocab_size * config.hidden_size
+    packed = sum(m.packed_cpu.nbytes for m in linears) + model.lm_head_packed_cpu.nbytes
+    assert packed < 1.3 * weights
