@@ -2,7 +2,7 @@
 
 Finding them checks every weight of the model bit for bit (about 1 s of a warm `tokenmill serve` start
 on the bundled model, 2 cores); the answer depends only on the weight files and on the C++ code that
-searches, so it is stored once under the cache root and read back (~170 MB for the bundled model, a
+searches, so it is stored once under ~/.cache/tokenmill/blocks and read back (~170 MB for the bundled model, a
 tenth of a second from the page cache). The key hashes the weight files' paths, sizes and mtimes and the
 C++ kernels' build name (their sources and flags): new weights or new code search again. A damaged or
 missing file only means searching again. find_weight_blocks asks the active cache first (its one hook).
@@ -51,7 +51,7 @@ def cache_path(model_path: pathlib.Path, kernels_build: str) -> pathlib.Path:
     ident = [f"{FORMAT_VERSION}", kernels_build] + [f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
     model_key = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
     key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:16]
-    return cache_root() / "blocks" / f"{model_key}-{key}.safetensors"
+    return cache_root().parent / "blocks" / f"{model_key}-{key}.safetensors"
 
 
 def open_cache(model: torch.nn.Module, model_path: pathlib.Path, kernels_build: str) -> BlockCache:

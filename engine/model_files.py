@@ -61,11 +61,12 @@ def _legacy_gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
 
 
 def file_digest(path: pathlib.Path) -> str:
-    """sha256 of the file's bytes, remembered under cache_root()/.digests by path, size and mtime: hashing
-    the bundled 98 MB GGUF takes a few tenths of a second, once per installed copy."""
+    """sha256 of the file's bytes, remembered under ~/.cache/tokenmill/digests (beside the models folder,
+    which holds converted models only) by path, size and mtime: hashing the bundled 98 MB GGUF takes a
+    few tenths of a second, once per installed copy."""
     st = path.stat()
     where = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    memo = cache_root() / ".digests" / hashlib.sha256(where.encode()).hexdigest()[:32]
+    memo = cache_root().parent / "digests" / hashlib.sha256(where.encode()).hexdigest()[:32]
     try:
         known = memo.read_text().strip()
         if len(known) == 64:

@@ -221,9 +221,12 @@ def test_second_resolve_reuses_the_cache_without_converting(tmp_path, cache_home
     assert resolve_model(gguf_file) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert _cache_entries(cache_home) == [first.name]
-    # A changed file (new mtime) gets a new cache entry: it is converted, not served stale.
+    # The cache is keyed by content: the same bytes with a new mtime (another venv's copy) reuse it...
     st = gguf_file.stat()
     os.utime(gguf_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert resolve_model(gguf_file) == first
+    # ...and a changed file (other bytes, one of them quantized) is converted, not served stale.
+    write_gguf(gguf_file, hf_dir, "llama", quantize=("model.embed_tokens.weight",))
     with pytest.raises(AssertionError, match="converted again"):
         resolve_model(gguf_file)
 

@@ -41,7 +41,7 @@ def test_gguf_cache_is_keyed_by_content_not_by_path(tmp_path, monkeypatch) -> No
     # Another venv's copy of the same file (another path, another mtime) finds the same conversion.
     assert model_files.gguf_cache_dir(a) == model_files.gguf_cache_dir(b)
     assert model_files.gguf_cache_dir(a) != model_files.gguf_cache_dir(c)
-    assert len(list((tmp_path / "cache" / "tokenmill" / "models" / ".digests").iterdir())) == 3
+    assert len(list((tmp_path / "cache" / "tokenmill" / "digests").iterdir())) == 3
     # A rewritten file (new mtime) is hashed again, not answered from the memo.
     c.write_bytes(b"GGUF same bytes")
     os.utime(c, ns=(1, 1))
