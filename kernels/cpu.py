@@ -26,8 +26,13 @@ _SOURCES = [
     _CSRC / "cpu_gemm.cpp",
 ]
 _HEADERS = [_CSRC / "cpu_common.h"]
-# fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity).
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
+# fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity). -fopenmp:
+# at::parallel_for is a serial loop unless the code is built with OpenMP (its header tests _OPENMP), so
+# without it every kernel ran on one thread whatever torch.set_num_threads said. The link resolves
+# libgomp.so.1 to the copy torch has already loaded (same soname): one OpenMP runtime and one thread
+# count serve torch's ops and these kernels.
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded op namespace, or "error": why it is unavailable
 
@@ -52,7 +57,7 @@ def _build_name() -> str:
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
-    digest.update(_cpu_flags().encode() + torch.__version__.encode() + " ".join(_CFLAGS).encode())
+    digest.update(_cpu_flags().encode() + torch.__version__.encode() + " ".join(_CFLAGS + _LDFLAGS).encode())
     return f"tokenmill_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -108,6 +113,7 @@ def load() -> object | None:
                 name=name,
                 sources=[str(p) for p in _SOURCES],
                 extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
                 is_python_module=False,
                 verbose=False,
             )

@@ -132,3 +132,29 @@ def test_weights_without_an_exact_block_form_stay_fp32() -> None:
     assert find_weight_blocks(w) is None
     assert pack_cpu_weight(w).fp32 is not None
     assert find_weight_blocks(torch.zeros(8, 33)) is None  # K not a multiple of 32
+
+
+def test_kernels_run_on_torchs_openmp_threads_and_results_do_not_depend_on_them() -> None:
+    # at::parallel_for is a serial loop in code built without OpenMP: the library must call the OpenMP
+    # runtime, and the one torch loaded (a second runtime would keep its own thread count).
+    import pathlib
+    import re
+
+    maps = pathlib.Path("/proc/self/maps").read_text()
+    libs = set(re.findall(r"\S*/tokenmill_cpu_\w+\.so", maps))
+    assert len(libs) == 1, libs
+    assert b"GOMP_parallel" in pathlib.Path(libs.pop()).read_bytes()
+    assert len(set(re.findall(r"\S*libgomp[^\s/]*\.so[.\d]*", maps))) == 1
+    g = torch.Generator().manual_seed(7)
+    w = _gguf_like(200, 576, "q4_1", g)
+    blocks = pack_cpu_weight(w, blocks=True)
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 8, 40):
+            x = torch.randn(rows, 576, generator=g)
+            torch.set_num_threads(1)
+            one = blocks.linear(x)
+            torch.set_num_threads(2)
+            assert torch.equal(blocks.linear(x), one)
+    finally:
+        torch.set_num_threads(before)
