@@ -158,6 +158,22 @@ inline __m256 exp8(__m256 x) {
   const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(126));
   return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23))), _mm256_set1_ps(2.0f));
 }
+
+// Integer-code panel rows [k, 16] -> fp32, w = fma(code, scale, min) per 32 k (k a multiple of 32): the
+// one rounding of scale * code + min that the stored fp32 weight holds (cpu_linear.cpp's tile_q8 does the
+// same in registers). Used by cpu_linear.cpp and cpu_gemm.cpp to rebuild a panel, or a K-slice of one.
+inline void rebuild_codes16(const int8_t* codes, const float* scales, const float* mins, int64_t k, float* out) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const __m256 d0 = _mm256_loadu_ps(scales + b * 16), d1 = _mm256_loadu_ps(scales + b * 16 + 8);
+    const __m256 m0 = _mm256_loadu_ps(mins + b * 16), m1 = _mm256_loadu_ps(mins + b * 16 + 8);
+    for (int64_t i = b * 32; i < (b + 1) * 32; ++i) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * 16));
+      _mm256_storeu_ps(out + i * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0));
+      _mm256_storeu_ps(out + i * 16 + 8,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), d1, m1));
+    }
+  }
+}
 #endif
 
 }  // namespace tokenmill_cpu

@@ -47,21 +47,6 @@ constexpr int64_t kRowBytes = 1 << 20;
 constexpr int64_t kChunkPanels = 4;
 
 #if defined(TOKENMILL_AVX2)
-// Panel slice [kc, 16] of codes (k0 a multiple of 32) -> fp32, w = fma(code, scale, min) as
-// cpu_linear.cpp's tile_q8 / rebuild_panel round it.
-void rebuild_slice(const int8_t* codes, const float* scales, const float* mins, int64_t kc, float* out) {
-  for (int64_t b = 0; b < kc / kGemmBlock; ++b) {
-    const __m256 d0 = _mm256_loadu_ps(scales + b * kGemmPanel), d1 = _mm256_loadu_ps(scales + b * kGemmPanel + 8);
-    const __m256 m0 = _mm256_loadu_ps(mins + b * kGemmPanel), m1 = _mm256_loadu_ps(mins + b * kGemmPanel + 8);
-    for (int64_t i = b * kGemmBlock; i < (b + 1) * kGemmBlock; ++i) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kGemmPanel));
-      _mm256_store_ps(out + i * kGemmPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0));
-      _mm256_store_ps(out + i * kGemmPanel + 8,
-                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), d1, m1));
-    }
-  }
-}
-
 // c[r, 0..16) (+)= sum over k of x[r, k] * w[k, :] for R rows: starts from zero when `first`, else
 // from c's stored running sums; `last` adds b (bias or zeros, as cpu_linear.cpp's tiles do).
 template <int R>
@@ -193,8 +178,8 @@ void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes
         const int64_t kc = std::min(kKc, k - k0);
         const bool first = k0 == 0, last = k0 + kc == k;
         for (int64_t p = p0; p < p1; ++p) {
-          rebuild_slice(cp + (p * k + k0) * kGemmPanel, sp + (p * nb + k0 / kGemmBlock) * kGemmPanel,
-                        mp + (p * nb + k0 / kGemmBlock) * kGemmPanel, kc, w);
+          tokenmill_cpu::rebuild_codes16(cp + (p * k + k0) * kGemmPanel, sp + (p * nb + k0 / kGemmBlock) * kGemmPanel,
+                                         mp + (p * nb + k0 / kGemmBlock) * kGemmPanel, kc, w);
           const int64_t cols = std::min(kGemmPanel, n - p * kGemmPanel);
           const float* b = bias_pad.data() + p * kGemmPanel;
           for (int64_t r = r0; r < r1; r += kMr) {

@@ -207,20 +207,6 @@ inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const floa
   }
 }
 
-// codes -> the fp32 panel [K, 16] they stand for, rounded as tile_q8 rounds each weight.
-void rebuild_panel(const int8_t* codes, const float* scales, const float* mins, int64_t k, float* out) {
-  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
-    const __m256 d0 = _mm256_loadu_ps(scales + b * kPanel), d1 = _mm256_loadu_ps(scales + b * kPanel + 8);
-    const __m256 m0 = _mm256_loadu_ps(mins + b * kPanel), m1 = _mm256_loadu_ps(mins + b * kPanel + 8);
-    for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; ++i) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
-      _mm256_storeu_ps(out + i * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0));
-      _mm256_storeu_ps(out + i * kPanel + 8,
-                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), d1, m1));
-    }
-  }
-}
-
 void rows_tile_q8(int64_t rows, const float* x, int64_t ldx, const int8_t* codes, const float* scales,
                   const float* mins, int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
   switch (rows) {
@@ -331,7 +317,8 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
           // More rows than one tile: rebuild the panel once (the same fma per weight the q8 tile does)
           // and run the fp32 tiles over it, instead of rebuilding it in every tile.
           scratch.resize(k * kPanel);
-          rebuild_panel(cp + p * k * kPanel, sp + p * nb * kPanel, mp + p * nb * kPanel, k, scratch.data());
+          tokenmill_cpu::rebuild_codes16(cp + p * k * kPanel, sp + p * nb * kPanel, mp + p * nb * kPanel, k,
+                                         scratch.data());
           for (int64_t r = r0; r < r1; r += kTileRows)
             rows_tile(std::min(kTileRows, r1 - r), xp + r * ldx, ldx, scratch.data(), k, op + r * ldo + p * kPanel,
                       ldo, cols, pb);
