@@ -67,7 +67,7 @@ def test_chat_greedy_answer_and_usage(client, tokenizer):
 
 
 def test_readme_chat_example_gets_the_model_cards_sampling_defaults(server, client):
-    """README's example sends no sampling fields: the server's defaults (the bundled model's card:
+    """README's example without its temperature sends no sampling fields: the server's defaults (the bundled model's card:
     temperature 0.2, top_p 0.9) are in force. With a request seed, leaving them out gives exactly the
     text of asking for them. At those values the 135M model answers "...Paris." about two times in three
     and otherwise starts a list in French (docs/serving.md), so which answer comes out is a draw."""
