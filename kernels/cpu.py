@@ -48,12 +48,8 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """What the build is named by (sources, flags, torch, CPU): a key for results that depend on the code."""
-    return _build_name()
-
-
-def _build_name() -> str:
-    """Names the build by everything that shapes the binary, so a library found under it is current."""
+    """Names the build by everything that shapes the binary (sources, flags, torch, CPU), so a library
+    found under it is current; also the key for results that depend on the kernels' code."""
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
@@ -91,7 +87,7 @@ def load() -> object | None:
     with _lock:
         if "ops" in _state or "error" in _state:
             return _state.get("ops")
-        name = _build_name()
+        name = build_name()
         library = _built_library(name)
         if library is not None:
             try:  # built before from these very sources and flags: no ninja run, no compiler check
