@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace tokenmill_cpu {
 
@@ -175,5 +176,49 @@ inline void rebuild_codes16(const int8_t* codes, const float* scales, const floa
   }
 }
 #endif
+
+
+// Argument checks of the linear ops on packed weights (cpu_linear.cpp, cpu_gemm.cpp), for one wording.
+inline bool linear_kernels_built() {
+#if defined(TOKENMILL_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Integer codes int8 [panels, K, 16] (K = k unless k < 0) with scales and mins float32 [panels, K / 32, 16].
+inline void check_codes(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                        int64_t k) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.size(2) == 16 &&
+                  codes.is_contiguous() && (k < 0 || codes.size(1) == k),
+              op, ": codes are int8 [panels, K", k < 0 ? "" : "=", k < 0 ? "" : std::to_string(k), ", 16], got ",
+              codes.scalar_type(), " ", codes.sizes());
+  const int64_t kk = codes.size(1), panels = codes.size(0);
+  TORCH_CHECK(kk % 32 == 0, op, ": K=", kk, " is not a multiple of ", 32);
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == panels && t->size(1) == kk / 32 && t->size(2) == 16,
+                op, ": scales and mins are float32 [", panels, ", ", kk / 32, ", 16], got ", t->sizes());
+}
+
+// x and out as the kernels read and write them, out's width against the weight's panels of 16, and the
+// bias; returns the bias pointer (nullptr without one).
+inline const float* check_linear_args(const char* op, const at::Tensor& out, const at::Tensor& x, int64_t panels,
+                                      const char* weight_name, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(linear_kernels_built(), op, ": this build has no AVX2 + FMA path");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be 2-D float32 with contiguous rows");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0),
+              op, ": out must be 2-D float32 [rows of x, N] with contiguous rows");
+  const int64_t n = out.size(1);
+  TORCH_CHECK(n <= panels * 16 && n > (panels - 1) * 16, op, ": out has ", n, " columns, ", weight_name, " ", panels,
+              " panels of 16");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, op,
+              ": bias must be contiguous float32 [", n, "]");
+  return bias->data_ptr<float>();
+}
 
 }  // namespace tokenmill_cpu

@@ -100,51 +100,17 @@ void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* w, int64_
 }
 #endif
 
-bool gemm_supported() {
-#if defined(TOKENMILL_AVX2)
-  return true;
-#else
-  return false;
-#endif
-}
-
-void check_codes(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                 int64_t k) {
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kChar && codes.dim() == 3 &&
-                  codes.size(2) == kGemmPanel && codes.is_contiguous() && (k < 0 || codes.size(1) == k),
-              op, ": codes are int8 [panels, K", k < 0 ? "" : "=", k < 0 ? "" : std::to_string(k), ", 16], got ",
-              codes.scalar_type(), " ", codes.sizes());
-  const int64_t kk = codes.size(1), panels = codes.size(0);
-  TORCH_CHECK(kk % kGemmBlock == 0, op, ": K=", kk, " is not a multiple of ", kGemmBlock);
-  for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == panels && t->size(1) == kk / kGemmBlock && t->size(2) == kGemmPanel,
-                op, ": scales and mins are float32 [", panels, ", ", kk / kGemmBlock, ", 16], got ", t->sizes());
-}
-
 // out [M, N] = x [M, K] @ W^T (+ bias), W as linear_packed_q8 takes it: codes int8 [panels, K, 16],
 // scales and mins float32 [panels, K / 32, 16], w = scale * code + min.
 void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
   const char* op = "linear_q8_gemm";
-  TORCH_CHECK(gemm_supported(), op, ": this build has no AVX2 + FMA path");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
-              ": x must be 2-D float32 with contiguous rows");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D float32 with contiguous rows");
   const int64_t k = x.size(1);
-  check_codes(op, codes, scales, mins, k);
+  tokenmill_cpu::check_codes(op, codes, scales, mins, k);
   const int64_t panels = codes.size(0);
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
-                  out.size(0) == x.size(0),
-              op, ": out must be 2-D float32 [rows of x, N] with contiguous rows");
+  const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias);
   const int64_t n = out.size(1), m = x.size(0);
-  TORCH_CHECK(n <= panels * kGemmPanel && n > (panels - 1) * kGemmPanel, op, ": out has ", n, " columns, the codes ",
-              panels, " panels of 16");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, op,
-                ": bias must be contiguous float32 [", n, "]");
-    bp = bias->data_ptr<float>();
-  }
 #if defined(TOKENMILL_AVX2)
   if (m == 0) return;
   const float* xp = x.data_ptr<float>();
@@ -201,6 +167,7 @@ void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes
   });
 #else
   (void)bp;
+  (void)n;
   (void)m;
 #endif
 }
@@ -211,7 +178,7 @@ void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes
 void embedding_q8(at::Tensor out, const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
                   const at::Tensor& mins, int64_t num_rows) {
   const char* op = "embedding_q8";
-  check_codes(op, codes, scales, mins, -1);
+  tokenmill_cpu::check_codes(op, codes, scales, mins, -1);
   const int64_t k = codes.size(1), panels = codes.size(0), nb = k / kGemmBlock;
   TORCH_CHECK(num_rows <= panels * kGemmPanel && num_rows > (panels - 1) * kGemmPanel, op, ": num_rows=", num_rows,
               " does not fit ", panels, " panels of 16");

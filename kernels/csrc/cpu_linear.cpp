@@ -218,31 +218,7 @@ void rows_tile_q8(int64_t rows, const float* x, int64_t ldx, const int8_t* codes
 }
 #endif
 
-bool packed_linear_supported() {
-#if defined(TOKENMILL_AVX2)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// The checks both linear ops share: x and out as the kernel reads and writes them, out's width against
-// the weight's panels, and the bias; returns the bias pointer (nullptr without one).
-const float* check_linear_args(const char* op, const at::Tensor& out, const at::Tensor& x, int64_t panels,
-                               const char* weight_name, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed_linear_supported(), op, ": this build has no AVX2 + FMA path");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
-              ": x must be 2-D float32 with contiguous rows");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
-              op, ": out must be 2-D float32 [rows of x, N] with contiguous rows");
-  const int64_t n = out.size(1);
-  TORCH_CHECK(n <= panels * kPanel && n > (panels - 1) * kPanel, op, ": out has ", n, " columns, ", weight_name, " ",
-              panels, " panels of 16");
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, op,
-              ": bias must be contiguous float32 [", n, "]");
-  return bias->data_ptr<float>();
-}
+bool packed_linear_supported() { return tokenmill_cpu::linear_kernels_built(); }
 
 // out [M, N] = x [M, K] @ W^T (+ bias), W given packed by pack_linear_weight.
 void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -251,7 +227,7 @@ void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
               "linear_packed: packed weight is [panels, K=", x.dim() == 2 ? x.size(1) : -1, ", 16], got ",
               packed.sizes());
   const int64_t panels = packed.size(0);
-  const float* bp = check_linear_args("linear_packed", out, x, panels, "the packed weight", bias);
+  const float* bp = tokenmill_cpu::check_linear_args("linear_packed", out, x, panels, "the packed weight", bias);
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
 #if defined(TOKENMILL_AVX2)
   const float* xp = x.data_ptr<float>();
@@ -287,17 +263,9 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "linear_packed_q8: x must be 2-D float32 with contiguous rows");
   const int64_t k = x.size(1);
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.size(1) == k && codes.size(2) == kPanel &&
-                  codes.is_contiguous(),
-              "linear_packed_q8: codes are int8 [panels, K=", k, ", 16], got ", codes.scalar_type(), " ", codes.sizes());
-  TORCH_CHECK(k % kCodeBlock == 0, "linear_packed_q8: K=", k, " is not a multiple of ", kCodeBlock);
+  tokenmill_cpu::check_codes("linear_packed_q8", codes, scales, mins, k);
   const int64_t panels = codes.size(0);
-  for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == panels &&
-                    t->size(1) == k / kCodeBlock && t->size(2) == kPanel,
-                "linear_packed_q8: scales and mins are float32 [", panels, ", ", k / kCodeBlock, ", 16], got ",
-                t->sizes());
-  const float* bp = check_linear_args("linear_packed_q8", out, x, panels, "the codes", bias);
+  const float* bp = tokenmill_cpu::check_linear_args("linear_packed_q8", out, x, panels, "the codes", bias);
   const int64_t m = x.size(0), n = out.size(1);
 #if defined(TOKENMILL_AVX2)
   const float* xp = x.data_ptr<float>();
