@@ -160,6 +160,14 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23))), _mm256_set1_ps(2.0f));
 }
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The linear kernels (cpu_linear.cpp, cpu_gemm.cpp) are written for 8 lanes and built on every CPU with
+// AVX2 + FMA, AVX-512 ones included: without them an AVX-512 machine ran its fp32 linears through torch
+// (TOKENMILL_AVX2 above names only the AVX2-only machines, where the 8-lane attention and layer paths run).
+#define TOKENMILL_LINEAR_AVX2 1
+
 // Integer-code panel rows [k, 16] -> fp32, w = fma(code, scale, min) per 32 k (k a multiple of 32): the
 // one rounding of scale * code + min that the stored fp32 weight holds (cpu_linear.cpp's tile_q8 does the
 // same in registers). Used by cpu_linear.cpp and cpu_gemm.cpp to rebuild a panel, or a K-slice of one.
@@ -177,10 +185,9 @@ inline void rebuild_codes16(const int8_t* codes, const float* scales, const floa
 }
 #endif
 
-
 // Argument checks of the linear ops on packed weights (cpu_linear.cpp, cpu_gemm.cpp), for one wording.
 inline bool linear_kernels_built() {
-#if defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_LINEAR_AVX2)
   return true;
 #else
   return false;

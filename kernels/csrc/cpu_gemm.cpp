@@ -46,7 +46,7 @@ constexpr int64_t kRowBytes = 1 << 20;
 // per row block for 2 threads to share.
 constexpr int64_t kChunkPanels = 4;
 
-#if defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_LINEAR_AVX2)
 // c[r, 0..16) (+)= sum over k of x[r, k] * w[k, :] for R rows: starts from zero when `first`, else
 // from c's stored running sums; `last` adds b (bias or zeros, as cpu_linear.cpp's tiles do).
 template <int R>
@@ -111,7 +111,7 @@ void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes
   const int64_t panels = codes.size(0);
   const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias);
   const int64_t n = out.size(1), m = x.size(0);
-#if defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_LINEAR_AVX2)
   if (m == 0) return;
   const float* xp = x.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();

@@ -120,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> find_weight_blocks(const at
   return {codes, scales, mins, ok.load()};
 }
 
-#if defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_LINEAR_AVX2)
 // out[r, 0..cols) = x[r, :] . panel for R rows; cols < 16 only in the last panel.
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo,
@@ -229,7 +229,7 @@ void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
   const int64_t panels = packed.size(0);
   const float* bp = tokenmill_cpu::check_linear_args("linear_packed", out, x, panels, "the packed weight", bias);
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
-#if defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_LINEAR_AVX2)
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -267,7 +267,7 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
   const int64_t panels = codes.size(0);
   const float* bp = tokenmill_cpu::check_linear_args("linear_packed_q8", out, x, panels, "the codes", bias);
   const int64_t m = x.size(0), n = out.size(1);
-#if defined(TOKENMILL_AVX2)
+#if defined(TOKENMILL_LINEAR_AVX2)
   const float* xp = x.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
