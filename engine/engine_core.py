@@ -14,9 +14,9 @@ from tokenmill.engine import block_cache, kv_memory, weight_blocks
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine_capacity import EngineCapacity, StartupTimer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.layers import cpu_linear_mode
+from tokenmill.engine.layers import bf16_codes_wanted, cpu_linear_mode
 from tokenmill.engine.model_config import ModelConfig, load_model_config
-from tokenmill.engine.model_loader import load_model, resolve_dtype, resolve_model
+from tokenmill.engine.model_loader import checkpoint_is_float32, load_model, resolve_dtype, resolve_model
 from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.engine.parallel_executor import LeaderGroup, agree_num_kv_blocks, make_runner, start_leader
 from tokenmill.engine.parallel_state import SINGLE, validate_parallel
@@ -118,7 +118,12 @@ class EngineCore:
             cpu_kernels.load()
             timer.mark("kernels")
         torch.manual_seed(config.seed)
-        model = load_model(self.model_path, mc, self.dtype, self.device, par)
+        # A bf16 CPU model with fp32 weight files (a GGUF conversion) is loaded in fp32: ModelRunner finds
+        # the weights' integer codes, which single rows run from, then casts it (layers.bf16_codes_wanted).
+        load_dtype = self.dtype
+        if tp * pp == 1 and bf16_codes_wanted(self.device, self.dtype) and checkpoint_is_float32(self.model_path):
+            load_dtype = torch.float32
+        model = load_model(self.model_path, mc, load_dtype, self.device, par)
         timer.mark("weights")
         if not sized_early:
             num_blocks = self._num_kv_blocks(kv_per_token)
@@ -127,7 +132,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         blocks = None
-        packs_blocks = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear_mode() == "1"
+        packs_blocks = self.device.type == "cpu" and load_dtype == torch.float32 and cpu_linear_mode() == "1"
         if packs_blocks and tp * pp == 1 and cpu_kernels.available():
             # The integer blocks of these weights, found at an earlier start (block_cache.py).
             blocks = weight_blocks.block_cache = block_cache.open_cache(

@@ -76,6 +76,21 @@ def cpu_linear_mode() -> str:
     return mode
 
 
+# Rows up to which a bf16 model's linears run on the fp32 kernel from the weights' integer codes (x
+# widened to fp32, the result rounded to bf16) instead of oneDNN's prepacked bf16 weights: a single row
+# reads 1.25 bytes per weight instead of 2. Larger batches are compute-bound there and oneDNN's bf16
+# dot products win (docs/benchmarks.md, "bf16 from integer codes").
+BF16_CODES_MAX_ROWS = 2
+
+
+def bf16_codes_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a bf16 CPU model should keep its weights' integer codes for small batches: the codes are
+    found in the fp32 weights, so such a model is loaded in fp32 and cast after (ModelRunner)."""
+    return can_prepack(device, dtype) and fp32_linear_ops(device, torch.float32) is not None and (
+        cpu_linear_mode() == "1"
+    )
+
+
 def fp32_linear_ops(device: torch.device, dtype: torch.dtype) -> object | None:
     """The C++ ops when fp32 linears can run on packed weights (kernels/csrc/cpu_linear.cpp: a CPU with
     AVX2 + FMA and the kernels built); None otherwise, or with TOKENMILL_CPU_LINEAR=0."""
@@ -136,16 +151,25 @@ def release_freed_memory() -> None:
         pass
 
 
+def codes_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
+    """An fp32 weight [out, in] as the kernel's integer-code panels, when integer blocks rebuild it
+    exactly; None otherwise."""
+    found = find_weight_blocks(weight.detach())
+    if found is None:
+        return None
+    return CpuPackedWeight(weight.shape[0], codes=to_panels(found.codes), scales=to_panels(found.scales),
+                           mins=to_panels(found.mins))  # fmt: skip
+
+
 def pack_cpu_weight(weight: torch.Tensor, blocks: bool | None = None) -> CpuPackedWeight:
     """Pack an fp32 weight [out, in] for the fp32 CPU kernel: as integer blocks when they rebuild it
     exactly (and `blocks`, by default unless TOKENMILL_CPU_LINEAR=fp32), else as fp32 panels."""
     weight = weight.detach()
     if blocks is None:
         blocks = cpu_linear_mode() == "1"
-    found = find_weight_blocks(weight) if blocks else None
-    if found is not None:
-        return CpuPackedWeight(weight.shape[0], codes=to_panels(found.codes), scales=to_panels(found.scales),
-                               mins=to_panels(found.mins))  # fmt: skip
+    packed = codes_weight(weight) if blocks else None
+    if packed is not None:
+        return packed
     return CpuPackedWeight(weight.shape[0], fp32=cpu_kernels.load().pack_linear_weight(weight))
 
 
@@ -163,7 +187,15 @@ class Linear(nn.Linear):
     packed_cpu: CpuPackedWeight | None = None
 
     def prepack(self) -> None:
+        """oneDNN's bf16 layout. A weight that also has integer codes (attach_codes) runs single rows
+        from them, so its unpacked bf16 copy, which only single rows read, is dropped."""
         self.packed = prepack_weight(self.weight)
+        if self.packed_cpu is not None:
+            self.weight = None
+
+    def attach_codes(self) -> None:
+        """Keep the integer-code form of this fp32 weight, if it has one, for a model cast to bf16 next."""
+        self.packed_cpu = codes_weight(self.weight)
 
     def pack_cpu(self, blocks: bool | None = None, keep_fp32: bool = False) -> None:
         """Pack for the fp32 CPU kernel. A weight found as integer blocks then runs every batch from its
@@ -174,11 +206,14 @@ class Linear(nn.Linear):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_cpu is not None and (
-            self.weight is None or x.numel() <= CPU_PACKED_MAX_ROWS * x.shape[-1]
-        ):
-            return self.packed_cpu.linear(x, self.bias)
-        if self.packed is not None and x.shape[0] >= PREPACK_MIN_ROWS:
+        if self.packed_cpu is not None:
+            rows = x.numel() // x.shape[-1]
+            if x.dtype == torch.float32 and (self.weight is None or rows <= CPU_PACKED_MAX_ROWS):
+                return self.packed_cpu.linear(x, self.bias)
+            if x.dtype != torch.float32 and (self.packed is None or rows <= BF16_CODES_MAX_ROWS):
+                bias = None if self.bias is None else self.bias.float()
+                return self.packed_cpu.linear(x.float(), bias).to(x.dtype)
+        if self.packed is not None and (x.shape[0] >= PREPACK_MIN_ROWS or self.weight is None):
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 

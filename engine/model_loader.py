@@ -66,6 +66,25 @@ def _checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+def checkpoint_is_float32(path: pathlib.Path) -> bool:
+    """Whether every 2-D tensor of the folder's safetensors files is stored in float32 (a GGUF
+    conversion is): read from the files' JSON headers, no tensor data."""
+    import json
+    import struct
+
+    try:
+        for file in _checkpoint_files(path):
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, entry in header.items():
+                if name != "__metadata__" and len(entry.get("shape", ())) == 2 and entry.get("dtype") != "F32":
+                    return False
+    except (OSError, ValueError, struct.error):
+        return False  # load_weights reports what is wrong with the files
+    return True
+
+
 def _weight_targets(config: ModelConfig, par: "ParallelState") -> dict[str, tuple[str, int, int]]:
     """HF projection name -> (our fused parameter name, first row, number of rows) within it."""
     q, kv, inter = weight_shard.local_sizes(config, par)

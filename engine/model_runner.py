@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.cuda_graphs import CUDAGraphRunner
-from tokenmill.engine.layers import can_prepack, fp32_linear_ops
+from tokenmill.engine.layers import bf16_codes_wanted, can_prepack, fp32_linear_ops, release_freed_memory
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.parallel_state import SINGLE, ParallelState, all_ranks_ok, same_on_all_ranks
 from tokenmill.engine.request import Request
@@ -40,6 +40,12 @@ class ModelRunner:
         self.hidden_size = hidden_size
         self.par = par
         if can_prepack(device, dtype) and hasattr(model, "prepack_linears"):
+            if next(model.parameters()).dtype == torch.float32 and bf16_codes_wanted(device, dtype):
+                # Loaded in fp32 for this (EngineCore): the integer codes are found in the fp32 weights,
+                # then the model becomes bf16; the fp32 copies go back to the OS.
+                model.attach_weight_codes()
+                model.to(dtype)
+                release_freed_memory()
             model.prepack_linears()
         elif fp32_linear_ops(device, dtype) is not None and hasattr(model, "pack_linears_cpu"):
             model.pack_linears_cpu()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.layers import (
+    BF16_CODES_MAX_ROWS,
     CPU_PACKED_MAX_ROWS,
     PREPACK_MIN_ROWS,
     CpuPackedWeight,
@@ -22,6 +23,7 @@ from tokenmill.engine.layers import (
     RMSNorm,
     Rope,
     RotaryEmbedding,
+    codes_weight,
     pack_cpu_weight,
     packed_linear,
     prepack_weight,
@@ -218,8 +220,9 @@ class LlamaForCausalLM(nn.Module):
         (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.lm_head_packed_cpu
-        if packed is not None and (weight is None or hidden.shape[0] <= CPU_PACKED_MAX_ROWS):
-            local = packed.linear(hidden)
+        codes_rows = CPU_PACKED_MAX_ROWS if hidden.dtype == torch.float32 else BF16_CODES_MAX_ROWS
+        if packed is not None and (weight is None or hidden.shape[0] <= codes_rows):
+            local = packed.linear(hidden.float())
         elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
             local = packed_linear(hidden, self.lm_head_packed).float()
         else:
@@ -234,6 +237,17 @@ class LlamaForCausalLM(nn.Module):
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head_packed = prepack_weight(weight)
+
+    def attach_weight_codes(self) -> None:
+        """Before a cast of this fp32 model to bf16 on CPU: keep the integer codes of every projection
+        and of the LM head that has them, for single rows (layers.BF16_CODES_MAX_ROWS). The tied
+        embedding keeps its matrix: prompts look rows up in it."""
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.attach_codes()
+        if self.par.is_last_stage:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head_packed_cpu = codes_weight(weight)
 
     def pack_linears_cpu(self, blocks: bool | None = None) -> None:
         """Give every projection and the LM head the fp32 CPU kernel's packed weights. Weights found as

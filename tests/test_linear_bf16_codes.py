@@ -1,0 +1,77 @@
+"""bf16 CPU models whose weights are integer blocks (a GGUF conversion) run single rows from the codes.
+
+On CPUs with oneDNN's bf16 and the fp32 linear kernel (AVX-512 BF16 machines), EngineCore loads such a
+model in fp32, ModelRunner keeps each projection's int8 codes (1.25 bytes per weight instead of bf16's
+2), casts the model to bf16 and drops the unpacked bf16 copies: rows up to BF16_CODES_MAX_ROWS run on
+the fp32 kernel from the codes, larger batches on oneDNN's prepacked bf16 weights.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenmill.engine.layers import BF16_CODES_MAX_ROWS, Linear, bf16_codes_wanted, can_prepack
+
+CPU = torch.device("cpu")
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at"]
+
+
+def _q4_1_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """An fp32 weight that is exactly scale * code + min per block of 32 (codes 0..15, fp16 scales), as a
+    GGUF Q4_1 conversion gives."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15  # every block spans 0..15, as llama.cpp's quantizer writes them
+    lo = -(torch.rand(n, k // 32, 1, generator=g) * 0.1)
+    scale = ((torch.rand(n, k // 32, 1, generator=g) * 0.01 + 0.001).half()).float()
+    return torch.addcmul(lo, codes.float(), scale).reshape(n, k)
+
+
+def test_single_rows_run_from_the_codes_and_round_once_to_bf16() -> None:
+    if not bf16_codes_wanted(CPU, torch.bfloat16):
+        pytest.skip("needs oneDNN's bf16 reorder and the fp32 linear kernel (an AVX-512 BF16 CPU)")
+    w = _q4_1_weight(200, 576, seed=1)
+    lin = Linear(576, 200, bias=False)
+    lin.weight.data.copy_(w)
+    lin.attach_codes()
+    assert lin.packed_cpu is not None and lin.packed_cpu.codes is not None
+    lin.to(torch.bfloat16)
+    lin.prepack()
+    assert lin.weight is None  # single rows read the codes, larger batches the packed copy
+    g = torch.Generator().manual_seed(2)
+    for rows in range(1, BF16_CODES_MAX_ROWS + 3):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        out = lin(x)
+        exact = F.linear(x.double(), w.double())  # the fp32 weights, not their bf16 rounding
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
+        err = (out.double() - exact).abs()
+        half_ulp = exact.abs() * 2.0**-8
+        if rows <= BF16_CODES_MAX_ROWS:
+            # One fp32 sum rounded once to bf16: within half an ulp of the exact product, plus the fp32
+            # sum's own error.
+            assert (err <= half_ulp + 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
+        else:
+            # oneDNN's bf16 weights: their rounding shows (a bound ten times looser, still a real one).
+            assert (err <= 10 * half_ulp + 0.05).all()
+
+
+def test_bf16_engine_keeps_codes_and_agrees_with_the_fp32_engine() -> None:
+    from tokenmill.engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24)
+    fp32 = LLM(dtype="float32", max_model_len=256, num_kv_blocks=48)
+    want = [o.outputs[0].token_ids for o in fp32.generate(PROMPTS, params, use_tqdm=False)]
+    del fp32
+    llm = LLM(dtype="bfloat16", max_model_len=256, num_kv_blocks=48)
+    model = llm.engine.core.runner.model
+    assert next(model.parameters()).dtype == torch.bfloat16
+    linears = [m for m in model.model.modules() if isinstance(m, Linear)]
+    if bf16_codes_wanted(CPU, torch.bfloat16):
+        # The bundled model's 120 projections are Q4_1 and its tied embedding Q8_0: all have codes.
+        assert len(linears) == 120 and all(m.packed_cpu is not None and m.weight is None for m in linears)
+        assert model.lm_head_packed_cpu is not None and model.model.embed_tokens.weight is not None
+    elif can_prepack(CPU, torch.bfloat16):
+        assert all(m.packed_cpu is None and m.weight is not None for m in linears)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    # bf16 against the fp32 reference: 24 greedy tokens of each prompt agree (measured: 30-40 do, with
+    # and without the codes).
+    assert got == want
