@@ -114,11 +114,12 @@ class CpuPackedWeight:
     mins: torch.Tensor | None = None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias), fp32."""
+        """x [..., in] @ W.T (+ bias, fp32), in x's dtype: fp32, or bf16 on codes for up to
+        CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded once)."""
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         ops = cpu_kernels.load()
         if self.codes is not None and rows.shape[0] > CPU_PACKED_MAX_ROWS:
             ops.linear_q8_gemm(out, rows, self.codes, self.scales, self.mins, bias)
@@ -210,9 +211,8 @@ class Linear(nn.Linear):
             rows = x.numel() // x.shape[-1]
             if x.dtype == torch.float32 and (self.weight is None or rows <= CPU_PACKED_MAX_ROWS):
                 return self.packed_cpu.linear(x, self.bias)
-            if x.dtype != torch.float32 and (self.packed is None or rows <= BF16_CODES_MAX_ROWS):
-                bias = None if self.bias is None else self.bias.float()
-                return self.packed_cpu.linear(x.float(), bias).to(x.dtype)
+            if x.dtype == torch.bfloat16 and rows <= BF16_CODES_MAX_ROWS:
+                return self.packed_cpu.linear(x, None if self.bias is None else self.bias.float())
         if self.packed is not None and (x.shape[0] >= PREPACK_MIN_ROWS or self.weight is None):
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -75,3 +75,21 @@ def test_bf16_engine_keeps_codes_and_agrees_with_the_fp32_engine() -> None:
     # bf16 against the fp32 reference: 24 greedy tokens of each prompt agree (measured: 30-40 do, with
     # and without the codes).
     assert got == want
+
+
+def test_the_codes_kernel_takes_bf16_rows_and_rounds_the_fp32_sums_once() -> None:
+    from tokenmill.engine.layers import codes_weight, fp32_linear_ops
+
+    if fp32_linear_ops(CPU, torch.float32) is None:
+        pytest.skip("needs an AVX2 + FMA CPU and the C++ kernels")
+    packed = codes_weight(_q4_1_weight(50, 96, seed=3))  # a ragged last panel
+    bias = torch.randn(50)
+    x = torch.randn(2, 96).to(torch.bfloat16)
+    for b in (None, bias):
+        wide = packed.linear(x.float(), b)
+        got = packed.linear(x, b)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, wide.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"out must be 2-D bfloat16 \[rows of x, N\]"):
+        fp32_linear_ops(CPU, torch.float32).linear_packed_q8(
+            torch.empty(2, 50), x, packed.codes, packed.scales, packed.mins, None
+        )

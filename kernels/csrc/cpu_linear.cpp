@@ -258,22 +258,33 @@ void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
 }
 
 // out [M, N] = x [M, K] @ W^T (+ bias) with W as integer codes [panels, K, 16] int8 and per-(32 k, column)
-// scales and mins [panels, K / 32, 16] fp32: w = scale * code + min.
+// scales and mins [panels, K / 32, 16] fp32: w = scale * code + min. x and out are float32, or both
+// bfloat16 (a bf16 model's single rows): then x is widened here and each fp32 sum rounded once to bf16,
+// which saves the two tensor conversions a caller would make per linear.
 void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2, "linear_packed_q8: x must be 2-D float32 with contiguous rows");
+  TORCH_CHECK(x.dim() == 2, "linear_packed_q8: x must be 2-D float32 or bfloat16 with contiguous rows");
   const int64_t k = x.size(1);
   tokenmill_cpu::check_codes("linear_packed_q8", codes, scales, mins, k);
   const int64_t panels = codes.size(0);
-  const float* bp = tokenmill_cpu::check_linear_args("linear_packed_q8", out, x, panels, "the codes", bias);
+  const float* bp = tokenmill_cpu::check_linear_args("linear_packed_q8", out, x, panels, "the codes", bias, true);
   const int64_t m = x.size(0), n = out.size(1);
 #if defined(TOKENMILL_LINEAR_AVX2)
-  const float* xp = x.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  std::vector<float> x32, out32;  // fp32 staging for bf16 x and out
+  if (bf16) {
+    x32.resize(m * k);
+    out32.resize(m * n);
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) x32[r * k + i] = static_cast<float>(xb[r * x.stride(0) + i]);
+  }
+  const float* xp = bf16 ? x32.data() : x.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldo = out.stride(0), nb = k / kCodeBlock;
+  float* op = bf16 ? out32.data() : out.data_ptr<float>();
+  const int64_t ldx = bf16 ? k : x.stride(0), ldo = bf16 ? n : out.stride(0), nb = k / kCodeBlock;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;  // one panel rebuilt as fp32, for batches past kTileRowsQ8 rows
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
@@ -300,6 +311,11 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
       }
     }
   });
+  if (bf16) {
+    c10::BFloat16* ob = out.data_ptr<c10::BFloat16>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < n; ++c) ob[r * out.stride(0) + c] = c10::BFloat16(out32[r * n + c]);
+  }
 #else
   (void)bp;
   (void)m;
