@@ -207,13 +207,44 @@ inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const floa
   }
 }
 
+#if defined(__AVX512F__)
+// tile_q8 on AVX-512 CPUs: a panel's 16 columns are one register, so a weight is rebuilt and used with
+// half the instructions. Each lane does tile_q8's arithmetic (the same two FMAs in the same k order), so
+// the results are equal bit for bit.
+template <int R>
+inline void tile_q8_512(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* mins,
+                        int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
+    const __m512 d = _mm512_loadu_ps(scales + b * kPanel), mn = _mm512_loadu_ps(mins + b * kPanel);
+    for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; ++i) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
+      const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), d, mn);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), w, acc[r]);
+    }
+  }
+  alignas(64) float tmp[kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(tmp, acc[r]);
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
+  }
+}
+#define TOKENMILL_TILE_Q8 tile_q8_512
+#else
+#define TOKENMILL_TILE_Q8 tile_q8
+#endif
+
 void rows_tile_q8(int64_t rows, const float* x, int64_t ldx, const int8_t* codes, const float* scales,
                   const float* mins, int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
   switch (rows) {
-    case 1: tile_q8<1>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    case 2: tile_q8<2>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    case 3: tile_q8<3>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    default: tile_q8<4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 1: TOKENMILL_TILE_Q8<1>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 2: TOKENMILL_TILE_Q8<2>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 3: TOKENMILL_TILE_Q8<3>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    default: TOKENMILL_TILE_Q8<4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
   }
 }
 #endif
