@@ -8,7 +8,10 @@ UV := $(TOOLS)/uv-$(UV_VERSION)/bin/uv
 VENV := .venv
 STAMP := $(VENV)/.tokenmill-installed
 export OMP_NUM_THREADS ?= 1
-export UV_LINK_MODE ?= copy
+# Hard links into uv's cache (uv falls back to copying across file systems): a checkout's venv then
+# takes no second copy of torch and its CUDA wheels (6 GB), which filled the disk of a machine holding
+# several worktrees and CI's clone.
+export UV_LINK_MODE ?= hardlink
 
 .PHONY: run test lint venv cluster-up cluster-down gpu-check bench clean soak
 
