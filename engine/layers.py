@@ -77,10 +77,12 @@ def cpu_linear_mode() -> str:
 
 
 # Rows up to which a bf16 model's linears run on the fp32 kernel from the weights' integer codes (x
-# widened to fp32, the result rounded to bf16) instead of oneDNN's prepacked bf16 weights: a single row
-# reads 1.25 bytes per weight instead of 2. Larger batches are compute-bound there and oneDNN's bf16
-# dot products win (docs/benchmarks.md, "bf16 from integer codes").
-BF16_CODES_MAX_ROWS = 2
+# widened to fp32, the result rounded to bf16) instead of oneDNN's prepacked bf16 weights: a row reads
+# 0.75 bytes per weight (Q4 nibbles with fp32 scale and min per 32) instead of 2. Past 3 rows the
+# kernel is compute-bound and oneDNN's bf16 dot products win: SmolLM2's gate_proj, 1 thread, AVX-512
+# EPYC at load 3, codes vs prepacked: 1 row 87-96 vs 163-166 us, 3 rows 113-121 vs 153-175, 4 rows
+# 141-147 vs 144-158, 6 rows 271-279 vs 167-181 (docs/benchmarks.md, "bf16 from integer codes").
+BF16_CODES_MAX_ROWS = 3
 
 
 def bf16_codes_wanted(device: torch.device, dtype: torch.dtype) -> bool:
@@ -109,7 +111,7 @@ class CpuPackedWeight:
 
     out_features: int
     fp32: torch.Tensor | None = None  # [panels, in, 16]
-    codes: torch.Tensor | None = None  # int8 [panels, in, 16]
+    codes: torch.Tensor | None = None  # int8 [panels, in, 16], or uint8 nibbles [panels, in / 2, 16]
     scales: torch.Tensor | None = None  # [panels, in / 32, 16]
     mins: torch.Tensor | None = None
 
@@ -131,6 +133,8 @@ class CpuPackedWeight:
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids [T] of the weight [T, in], rebuilt from the codes: the fp32 values it was loaded with."""
+        if self.codes.dtype != torch.int8:
+            raise ValueError("embedding rows are read from int8 codes; this weight was packed as nibbles")
         out = torch.empty(ids.shape[0], self.codes.shape[1], dtype=torch.float32)
         ids = ids if ids.dtype == torch.int64 else ids.long()
         cpu_kernels.load().embedding_q8(out, ids, self.codes, self.scales, self.mins, self.out_features)
@@ -152,23 +156,33 @@ def release_freed_memory() -> None:
         pass
 
 
-def codes_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
+def nibble_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 code panels [P, K, 16] with every code in 0..15 -> uint8 [P, K / 2, 16], k = 2j in the low and
+    k = 2j + 1 in the high 4 bits of row j: the kernels' nibble layout (half the bytes to read)."""
+    pairs = codes.view(codes.shape[0], codes.shape[1] // 2, 2, codes.shape[2]).to(torch.uint8)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+
+
+def codes_weight(weight: torch.Tensor, nibbles: bool = True) -> CpuPackedWeight | None:
     """An fp32 weight [out, in] as the kernel's integer-code panels, when integer blocks rebuild it
-    exactly; None otherwise."""
+    exactly; None otherwise. Codes that all fit 0..15 (GGUF Q4_*) are stored two to a byte where
+    `nibbles` (not for a tied embedding, whose rows embedding_q8 reads one code per byte)."""
     found = find_weight_blocks(weight.detach())
     if found is None:
         return None
-    return CpuPackedWeight(weight.shape[0], codes=to_panels(found.codes), scales=to_panels(found.scales),
-                           mins=to_panels(found.mins))  # fmt: skip
+    codes = to_panels(found.codes)
+    if nibbles and bool(((codes >= 0) & (codes <= 15)).all()):
+        codes = nibble_codes(codes)
+    return CpuPackedWeight(weight.shape[0], codes=codes, scales=to_panels(found.scales), mins=to_panels(found.mins))
 
 
-def pack_cpu_weight(weight: torch.Tensor, blocks: bool | None = None) -> CpuPackedWeight:
+def pack_cpu_weight(weight: torch.Tensor, blocks: bool | None = None, nibbles: bool = True) -> CpuPackedWeight:
     """Pack an fp32 weight [out, in] for the fp32 CPU kernel: as integer blocks when they rebuild it
     exactly (and `blocks`, by default unless TOKENMILL_CPU_LINEAR=fp32), else as fp32 panels."""
     weight = weight.detach()
     if blocks is None:
         blocks = cpu_linear_mode() == "1"
-    packed = codes_weight(weight) if blocks else None
+    packed = codes_weight(weight, nibbles) if blocks else None
     if packed is not None:
         return packed
     return CpuPackedWeight(weight.shape[0], fp32=cpu_kernels.load().pack_linear_weight(weight))

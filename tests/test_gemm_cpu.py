@@ -91,7 +91,7 @@ def test_gemm_refuses_wrong_arguments_with_the_sizes() -> None:
 def test_embedding_from_codes_gives_the_fp32_rows(kind: str) -> None:
     vocab, hidden = 101, 96  # 101: a ragged last panel
     w = _quantized(vocab, hidden, kind, seed=8)
-    packed = pack_cpu_weight(w, blocks=True)
+    packed = pack_cpu_weight(w, blocks=True, nibbles=False)
     ops = fp32_linear_ops(CPU, torch.float32)
     ids = torch.tensor([0, 100, 15, 16, 17, 3, 3, 99])
     out = torch.empty(len(ids), hidden)
@@ -151,7 +151,7 @@ def test_a_tied_embedding_without_its_fp32_matrix_looks_rows_up_in_the_codes() -
         emb.weight.copy_(w)
     ids = torch.tensor([69, 0, 16, 16, 33], dtype=torch.int64)
     expect = emb(ids)
-    emb.packed_cpu, emb.weight = pack_cpu_weight(w, blocks=True), None
+    emb.packed_cpu, emb.weight = pack_cpu_weight(w, blocks=True, nibbles=False), None
     assert torch.equal(emb(ids), expect)
     assert torch.equal(emb(ids.int()), expect)
 
@@ -174,3 +174,25 @@ def test_the_bundled_model_keeps_no_fp32_copy_of_its_quantized_weights(bundled_m
     weights = sum(m.in_features * m.out_features for m in linears) + config.vocab_size * config.hidden_size
     packed = sum(m.packed_cpu.nbytes for m in linears) + model.lm_head_packed_cpu.nbytes
     assert packed < 1.3 * weights
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 301])
+def test_nibble_codes_give_the_int8_codes_results_bit_for_bit(rows: int) -> None:
+    # Q4_1 codes (0..15) are packed two to a byte: every batch path (the small-batch tiles, the rebuilt
+    # panel past 4 rows, the GEMM past 16) reads them and must sum the same weights in the same order.
+    w = _quantized(50, 1056, "q4_1", seed=11)  # a ragged last panel; K crosses the GEMM's 1024-deep block
+    nib, int8 = pack_cpu_weight(w, blocks=True), pack_cpu_weight(w, blocks=True, nibbles=False)
+    assert nib.codes.dtype == torch.uint8 and nib.codes.shape == (4, 528, 16) and int8.codes.dtype == torch.int8
+    assert nib.nbytes < 0.65 * int8.nbytes
+    ops = fp32_linear_ops(CPU, torch.float32)
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, 1056, generator=g), torch.randn(50, generator=g)
+    for op in (ops.linear_packed_q8, ops.linear_q8_gemm):
+        a, c = torch.empty(rows, 50), torch.empty(rows, 50)
+        op(a, x, nib.codes, nib.scales, nib.mins, b)
+        op(c, x, int8.codes, int8.scales, int8.mins, b)
+        assert torch.equal(a, c)
+    # ...and those are the weights' products: one fp32 sum of 1056 terms from a float64 product.
+    ref = x.double() @ w.double().T + b.double()
+    bound = 1e-6 * 1056**0.5 * (x.abs().double() @ w.abs().double().T + 1)
+    assert ((nib.linear(x, b).double() - ref).abs() <= bound).all()

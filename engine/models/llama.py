@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
                 module.attach_codes()
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head_packed_cpu = codes_weight(weight)
+            self.lm_head_packed_cpu = codes_weight(weight, nibbles=self.lm_head is not None)
 
     def pack_linears_cpu(self, blocks: bool | None = None) -> None:
         """Give every projection and the LM head the fp32 CPU kernel's packed weights. Weights found as
@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         if self.par.is_last_stage:
             if self.lm_head is None:
                 embed = self.model.embed_tokens
-                self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks)
+                self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False)
                 if self.lm_head_packed_cpu.codes is not None and not keep_fp32:
                     embed.packed_cpu, embed.weight = self.lm_head_packed_cpu, None
             else:

@@ -183,6 +183,26 @@ inline void rebuild_codes16(const int8_t* codes, const float* scales, const floa
     }
   }
 }
+
+// The same for nibble codes (uint8 [k / 2, 16]: k = 2j in the low 4 bits of byte row j, k = 2j + 1 in the
+// high ones), the layout of weights whose codes all fit 0..15 (GGUF Q4_*): same values, half the bytes.
+inline void rebuild_codes16_q4(const uint8_t* codes, const float* scales, const float* mins, int64_t k, float* out) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const __m256 d0 = _mm256_loadu_ps(scales + b * 16), d1 = _mm256_loadu_ps(scales + b * 16 + 8);
+    const __m256 m0 = _mm256_loadu_ps(mins + b * 16), m1 = _mm256_loadu_ps(mins + b * 16 + 8);
+    for (int64_t i = b * 32; i < (b + 1) * 32; i += 2) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2 * 16));
+      const __m128i pair[2] = {_mm_and_si128(c, low4), _mm_and_si128(_mm_srli_epi16(c, 4), low4)};
+      for (int h = 0; h < 2; ++h) {
+        float* o = out + (i + h) * 16;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pair[h])), d0, m0));
+        _mm256_storeu_ps(o + 8,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(pair[h], 8))), d1, m1));
+      }
+    }
+  }
+}
 #endif
 
 // Argument checks of the linear ops on packed weights (cpu_linear.cpp, cpu_gemm.cpp), for one wording.
@@ -194,14 +214,18 @@ inline bool linear_kernels_built() {
 #endif
 }
 
-// Integer codes int8 [panels, K, 16] (K = k unless k < 0) with scales and mins float32 [panels, K / 32, 16].
+// Integer codes int8 [panels, K, 16] (K = k unless k < 0), or where nibbles_ok nibble codes uint8
+// [panels, K / 2, 16], with scales and mins float32 [panels, K / 32, 16].
 inline void check_codes(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                        int64_t k) {
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.size(2) == 16 &&
-                  codes.is_contiguous() && (k < 0 || codes.size(1) == k),
-              op, ": codes are int8 [panels, K", k < 0 ? "" : "=", k < 0 ? "" : std::to_string(k), ", 16], got ",
-              codes.scalar_type(), " ", codes.sizes());
-  const int64_t kk = codes.size(1), panels = codes.size(0);
+                        int64_t k, bool nibbles_ok = false) {
+  const bool q4 = nibbles_ok && codes.scalar_type() == at::kByte;
+  const int64_t per_row = q4 ? 2 : 1;  // codes per byte
+  TORCH_CHECK(codes.device().is_cpu() && (q4 || codes.scalar_type() == at::kChar) && codes.dim() == 3 &&
+                  codes.size(2) == 16 && codes.is_contiguous() && (k < 0 || codes.size(1) * per_row == k),
+              op, ": codes are int8 [panels, K", k < 0 ? "" : "=", k < 0 ? "" : std::to_string(k), ", 16]",
+              nibbles_ok ? " or uint8 nibbles [panels, K / 2, 16]" : "", ", got ", codes.scalar_type(), " ",
+              codes.sizes());
+  const int64_t kk = codes.size(1) * per_row, panels = codes.size(0);
   TORCH_CHECK(kk % 32 == 0, op, ": K=", kk, " is not a multiple of ", 32);
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&

@@ -107,14 +107,15 @@ void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes
   const char* op = "linear_q8_gemm";
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D float32 with contiguous rows");
   const int64_t k = x.size(1);
-  tokenmill_cpu::check_codes(op, codes, scales, mins, k);
+  tokenmill_cpu::check_codes(op, codes, scales, mins, k, true);
   const int64_t panels = codes.size(0);
   const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias);
   const int64_t n = out.size(1), m = x.size(0);
 #if defined(TOKENMILL_LINEAR_AVX2)
   if (m == 0) return;
   const float* xp = x.data_ptr<float>();
-  const int8_t* cp = codes.data_ptr<int8_t>();
+  const bool q4 = codes.scalar_type() == at::kByte;  // nibble codes, two k per byte
+  const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
@@ -144,8 +145,13 @@ void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes
         const int64_t kc = std::min(kKc, k - k0);
         const bool first = k0 == 0, last = k0 + kc == k;
         for (int64_t p = p0; p < p1; ++p) {
-          tokenmill_cpu::rebuild_codes16(cp + (p * k + k0) * kGemmPanel, sp + (p * nb + k0 / kGemmBlock) * kGemmPanel,
-                                         mp + (p * nb + k0 / kGemmBlock) * kGemmPanel, kc, w);
+          const float* ps = sp + (p * nb + k0 / kGemmBlock) * kGemmPanel;
+          const float* pm = mp + (p * nb + k0 / kGemmBlock) * kGemmPanel;
+          if (q4)
+            tokenmill_cpu::rebuild_codes16_q4(reinterpret_cast<const uint8_t*>(cp) + (p * k + k0) / 2 * kGemmPanel, ps,
+                                              pm, kc, w);
+          else
+            tokenmill_cpu::rebuild_codes16(cp + (p * k + k0) * kGemmPanel, ps, pm, kc, w);
           const int64_t cols = std::min(kGemmPanel, n - p * kGemmPanel);
           const float* b = bias_pad.data() + p * kGemmPanel;
           for (int64_t r = r0; r < r1; r += kMr) {

@@ -207,6 +207,43 @@ inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const floa
   }
 }
 
+// tile_q8 on nibble codes (uint8 [K / 2, 16], two k per byte): the same weights and sums, bit for bit,
+// from half the bytes.
+template <int R>
+inline void tile_q4(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, const float* mins,
+                    int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
+    const __m256 d0 = _mm256_loadu_ps(scales + b * kPanel), d1 = _mm256_loadu_ps(scales + b * kPanel + 8);
+    const __m256 m0 = _mm256_loadu_ps(mins + b * kPanel), m1 = _mm256_loadu_ps(mins + b * kPanel + 8);
+    for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; i += 2) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2 * kPanel));
+      const __m128i pair[2] = {_mm_and_si128(c, low4), _mm_and_si128(_mm_srli_epi16(c, 4), low4)};
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pair[h])), d0, m0);
+        const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(pair[h], 8))), d1, m1);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i + h);
+          acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+        }
+      }
+    }
+  }
+  alignas(32) float tmp[kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(tmp, acc[r][0]);
+    _mm256_store_ps(tmp + 8, acc[r][1]);
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
+  }
+}
+
 #if defined(__AVX512F__)
 // tile_q8 on AVX-512 CPUs: a panel's 16 columns are one register, so a weight is rebuilt and used with
 // half the instructions. Each lane does tile_q8's arithmetic (the same two FMAs in the same k order), so
@@ -233,10 +270,49 @@ inline void tile_q8_512(const float* x, int64_t ldx, const int8_t* codes, const 
     for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
   }
 }
+template <int R>
+inline void tile_q4_512(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, const float* mins,
+                        int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
+    const __m512 d = _mm512_loadu_ps(scales + b * kPanel), mn = _mm512_loadu_ps(mins + b * kPanel);
+    for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; i += 2) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2 * kPanel));
+      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(c, low4))), d, mn);
+      const __m512 w1 =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, 4), low4))), d, mn);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), w0, acc[r]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i + 1]), w1, acc[r]);
+    }
+  }
+  alignas(64) float tmp[kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(tmp, acc[r]);
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
+  }
+}
 #define TOKENMILL_TILE_Q8 tile_q8_512
+#define TOKENMILL_TILE_Q4 tile_q4_512
 #else
 #define TOKENMILL_TILE_Q8 tile_q8
+#define TOKENMILL_TILE_Q4 tile_q4
 #endif
+
+void rows_tile_q4(int64_t rows, const float* x, int64_t ldx, const uint8_t* codes, const float* scales,
+                  const float* mins, int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
+  switch (rows) {
+    case 1: TOKENMILL_TILE_Q4<1>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 2: TOKENMILL_TILE_Q4<2>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 3: TOKENMILL_TILE_Q4<3>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    default: TOKENMILL_TILE_Q4<4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+  }
+}
 
 void rows_tile_q8(int64_t rows, const float* x, int64_t ldx, const int8_t* codes, const float* scales,
                   const float* mins, int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
@@ -296,7 +372,7 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "linear_packed_q8: x must be 2-D float32 or bfloat16 with contiguous rows");
   const int64_t k = x.size(1);
-  tokenmill_cpu::check_codes("linear_packed_q8", codes, scales, mins, k);
+  tokenmill_cpu::check_codes("linear_packed_q8", codes, scales, mins, k, true);
   const int64_t panels = codes.size(0);
   const float* bp = tokenmill_cpu::check_linear_args("linear_packed_q8", out, x, panels, "the codes", bias, true);
   const int64_t m = x.size(0), n = out.size(1);
@@ -311,7 +387,10 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
       for (int64_t i = 0; i < k; ++i) x32[r * k + i] = static_cast<float>(xb[r * x.stride(0) + i]);
   }
   const float* xp = bf16 ? x32.data() : x.data_ptr<float>();
-  const int8_t* cp = codes.data_ptr<int8_t>();
+  // Nibble codes (uint8, two k per byte) or int8 codes; `kb` bytes of codes per panel.
+  const bool q4 = codes.scalar_type() == at::kByte;
+  const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
+  const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   float* op = bf16 ? out32.data() : out.data_ptr<float>();
@@ -327,8 +406,11 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
           // More rows than one tile: rebuild the panel once (the same fma per weight the q8 tile does)
           // and run the fp32 tiles over it, instead of rebuilding it in every tile.
           scratch.resize(k * kPanel);
-          tokenmill_cpu::rebuild_codes16(cp + p * k * kPanel, sp + p * nb * kPanel, mp + p * nb * kPanel, k,
-                                         scratch.data());
+          if (q4)
+            tokenmill_cpu::rebuild_codes16_q4(reinterpret_cast<const uint8_t*>(cp) + p * kb, sp + p * nb * kPanel,
+                                              mp + p * nb * kPanel, k, scratch.data());
+          else
+            tokenmill_cpu::rebuild_codes16(cp + p * kb, sp + p * nb * kPanel, mp + p * nb * kPanel, k, scratch.data());
           for (int64_t r = r0; r < r1; r += kTileRows)
             rows_tile(std::min(kTileRows, r1 - r), xp + r * ldx, ldx, scratch.data(), k, op + r * ldo + p * kPanel,
                       ldo, cols, pb);
@@ -336,8 +418,12 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
         }
         for (int64_t r = r0; r < r1; r += kTileRowsQ8) {
           const int64_t rows = std::min(kTileRowsQ8, r1 - r);
-          rows_tile_q8(rows, xp + r * ldx, ldx, cp + p * k * kPanel, sp + p * nb * kPanel, mp + p * nb * kPanel, k,
-                       op + r * ldo + p * kPanel, ldo, cols, pb);
+          if (q4)
+            rows_tile_q4(rows, xp + r * ldx, ldx, reinterpret_cast<const uint8_t*>(cp) + p * kb, sp + p * nb * kPanel,
+                         mp + p * nb * kPanel, k, op + r * ldo + p * kPanel, ldo, cols, pb);
+          else
+            rows_tile_q8(rows, xp + r * ldx, ldx, cp + p * kb, sp + p * nb * kPanel, mp + p * nb * kPanel, k,
+                         op + r * ldo + p * kPanel, ldo, cols, pb);
         }
       }
     }
