@@ -30,8 +30,10 @@ def test_single_rows_run_from_the_codes_and_round_once_to_bf16() -> None:
     if not bf16_codes_wanted(CPU, torch.bfloat16):
         pytest.skip("needs oneDNN's bf16 reorder and the fp32 linear kernel (an AVX-512 BF16 CPU)")
     w = _q4_1_weight(200, 576, seed=1)
-    lin = Linear(576, 200, bias=False)
+    bias = torch.randn(200, generator=torch.Generator().manual_seed(5))
+    lin = Linear(576, 200, bias=True)  # Qwen2's qkv_proj has one: the kernel adds it in fp32
     lin.weight.data.copy_(w)
+    lin.bias.data.copy_(bias)
     lin.attach_codes()
     assert lin.packed_cpu is not None and lin.packed_cpu.codes is not None
     lin.to(torch.bfloat16)
@@ -41,14 +43,14 @@ def test_single_rows_run_from_the_codes_and_round_once_to_bf16() -> None:
     for rows in range(1, BF16_CODES_MAX_ROWS + 3):
         x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
         out = lin(x)
-        exact = F.linear(x.double(), w.double())  # the fp32 weights, not their bf16 rounding
+        exact = F.linear(x.double(), w.double(), bias.double())  # the fp32 weights, not their bf16 rounding
         assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
         err = (out.double() - exact).abs()
         half_ulp = exact.abs() * 2.0**-8
         if rows <= BF16_CODES_MAX_ROWS:
             # One fp32 sum rounded once to bf16: within half an ulp of the exact product, plus the fp32
             # sum's own error.
-            assert (err <= half_ulp + 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
+            assert (err <= half_ulp + 1e-5 * (x.double().abs() @ w.double().abs().T + 1)).all()
         else:
             # oneDNN's bf16 weights: their rounding shows (a bound ten times looser, still a real one).
             assert (err <= 10 * half_ulp + 0.05).all()

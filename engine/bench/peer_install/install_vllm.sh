@@ -37,8 +37,8 @@ for line in lines:
     print(req)
 PYEOF
 test -x "$VENV/bin/python" || "$UV" venv -q --python 3.11 "$VENV" >&2
-UV_LINK_MODE=copy "$UV" pip install -q --python "$VENV/bin/python" -r requirements.txt >&2
-UV_LINK_MODE=copy "$UV" pip install -q --python "$VENV/bin/python" --no-deps "$WHEEL" >&2
+UV_LINK_MODE=hardlink "$UV" pip install -q --python "$VENV/bin/python" -r requirements.txt >&2
+UV_LINK_MODE=hardlink "$UV" pip install -q --python "$VENV/bin/python" --no-deps "$WHEEL" >&2
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 mkdir -p "$SITE/vllm-$VERSION+cpu.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VERSION" > "$SITE/vllm-$VERSION+cpu.dist-info/METADATA"
