@@ -168,38 +168,34 @@ inline __m256 exp8(__m256 x) {
 // (TOKENMILL_AVX2 above names only the AVX2-only machines, where the 8-lane attention and layer paths run).
 #define TOKENMILL_LINEAR_AVX2 1
 
-// Integer-code panel rows [k, 16] -> fp32, w = fma(code, scale, min) per 32 k (k a multiple of 32): the
-// one rounding of scale * code + min that the stored fp32 weight holds (cpu_linear.cpp's tile_q8 does the
-// same in registers). Used by cpu_linear.cpp and cpu_gemm.cpp to rebuild a panel, or a K-slice of one.
+// Code rows of a panel: int8 [K, 16], or nibbles uint8 [K / 2, 16] with k = 2j in the low and k = 2j + 1
+// in the high 4 bits of row j (weights whose codes all fit 0..15, GGUF Q4_*: the same values from half the
+// bytes). code_row gives the 16 codes of row i as bytes; codes8 widens 8 of them to fp32.
+template <bool Q4>
+inline __m128i code_row(const int8_t* codes, int64_t i) {
+  if (!Q4) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * 16));
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2 * 16));
+  return _mm_and_si128((i & 1) ? _mm_srli_epi16(c, 4) : c, _mm_set1_epi8(0x0f));
+}
+
+template <bool Q4>
+inline __m256 codes8(__m128i c) {
+  return _mm256_cvtepi32_ps(Q4 ? _mm256_cvtepu8_epi32(c) : _mm256_cvtepi8_epi32(c));
+}
+
+// Code panel rows [k, 16] -> fp32, w = fma(code, scale, min) per 32 k (k a multiple of 32, `codes` at an
+// even row): the one rounding of scale * code + min that the stored fp32 weight holds (cpu_linear.cpp's
+// tiles do the same in registers). Used by cpu_linear.cpp and cpu_gemm.cpp to rebuild a panel, or a
+// K-slice of one.
+template <bool Q4>
 inline void rebuild_codes16(const int8_t* codes, const float* scales, const float* mins, int64_t k, float* out) {
   for (int64_t b = 0; b < k / 32; ++b) {
     const __m256 d0 = _mm256_loadu_ps(scales + b * 16), d1 = _mm256_loadu_ps(scales + b * 16 + 8);
     const __m256 m0 = _mm256_loadu_ps(mins + b * 16), m1 = _mm256_loadu_ps(mins + b * 16 + 8);
     for (int64_t i = b * 32; i < (b + 1) * 32; ++i) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * 16));
-      _mm256_storeu_ps(out + i * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0));
-      _mm256_storeu_ps(out + i * 16 + 8,
-                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), d1, m1));
-    }
-  }
-}
-
-// The same for nibble codes (uint8 [k / 2, 16]: k = 2j in the low 4 bits of byte row j, k = 2j + 1 in the
-// high ones), the layout of weights whose codes all fit 0..15 (GGUF Q4_*): same values, half the bytes.
-inline void rebuild_codes16_q4(const uint8_t* codes, const float* scales, const float* mins, int64_t k, float* out) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  for (int64_t b = 0; b < k / 32; ++b) {
-    const __m256 d0 = _mm256_loadu_ps(scales + b * 16), d1 = _mm256_loadu_ps(scales + b * 16 + 8);
-    const __m256 m0 = _mm256_loadu_ps(mins + b * 16), m1 = _mm256_loadu_ps(mins + b * 16 + 8);
-    for (int64_t i = b * 32; i < (b + 1) * 32; i += 2) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2 * 16));
-      const __m128i pair[2] = {_mm_and_si128(c, low4), _mm_and_si128(_mm_srli_epi16(c, 4), low4)};
-      for (int h = 0; h < 2; ++h) {
-        float* o = out + (i + h) * 16;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pair[h])), d0, m0));
-        _mm256_storeu_ps(o + 8,
-                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(pair[h], 8))), d1, m1));
-      }
+      const __m128i c = code_row<Q4>(codes, i);
+      _mm256_storeu_ps(out + i * 16, _mm256_fmadd_ps(codes8<Q4>(c), d0, m0));
+      _mm256_storeu_ps(out + i * 16 + 8, _mm256_fmadd_ps(codes8<Q4>(_mm_srli_si128(c, 8)), d1, m1));
     }
   }
 }

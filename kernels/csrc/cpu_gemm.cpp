@@ -148,10 +148,9 @@ void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes
           const float* ps = sp + (p * nb + k0 / kGemmBlock) * kGemmPanel;
           const float* pm = mp + (p * nb + k0 / kGemmBlock) * kGemmPanel;
           if (q4)
-            tokenmill_cpu::rebuild_codes16_q4(reinterpret_cast<const uint8_t*>(cp) + (p * k + k0) / 2 * kGemmPanel, ps,
-                                              pm, kc, w);
+            tokenmill_cpu::rebuild_codes16<true>(cp + (p * k + k0) / 2 * kGemmPanel, ps, pm, kc, w);
           else
-            tokenmill_cpu::rebuild_codes16(cp + (p * k + k0) * kGemmPanel, ps, pm, kc, w);
+            tokenmill_cpu::rebuild_codes16<false>(cp + (p * k + k0) * kGemmPanel, ps, pm, kc, w);
           const int64_t cols = std::min(kGemmPanel, n - p * kGemmPanel);
           const float* b = bias_pad.data() + p * kGemmPanel;
           for (int64_t r = r0; r < r1; r += kMr) {

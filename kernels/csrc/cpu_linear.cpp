@@ -172,24 +172,26 @@ void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, in
   }
 }
 
-// The same tile on integer codes: panel p's weights are codes[p] [K, 16] int8 with, per 32 k and per
-// column, w = scale * code + min. The weight is rebuilt in registers with one FMA, which rounds the exact
+// The same tile on integer codes: panel p's weights are code rows (above) with, per 32 k and per column,
+// w = scale * code + min. The weight is rebuilt in registers with one FMA, which rounds the exact
 // scale * code + min once: the value an fp32 weight stored from it holds (engine/weight_blocks.py checks
-// that), so the sums equal tile()'s on those fp32 weights bit for bit while 1.25 bytes per weight are read
-// instead of 4. Four rows: 8 accumulators + 4 scale/min + 2 weights + 1 broadcast fill the 16 registers.
-template <int R>
-inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* mins,
-                    int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
+// that), so the sums equal tile()'s on those fp32 weights bit for bit while 1.25 bytes per weight (0.75
+// for nibbles) are read instead of 4. Four rows: 8 accumulators + 4 scale/min + 2 weights + 1 broadcast
+// fill the 16 registers.
+template <int R, bool Q4>
+inline void tile_codes(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* mins,
+                       int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kCodeBlock; ++b) {
     const __m256 d0 = _mm256_loadu_ps(scales + b * kPanel), d1 = _mm256_loadu_ps(scales + b * kPanel + 8);
     const __m256 m0 = _mm256_loadu_ps(mins + b * kPanel), m1 = _mm256_loadu_ps(mins + b * kPanel + 8);
+#pragma GCC unroll 2
     for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; ++i) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
-      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0);
-      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))), d1, m1);
+      const __m128i c = tokenmill_cpu::code_row<Q4>(codes, i);
+      const __m256 w0 = _mm256_fmadd_ps(tokenmill_cpu::codes8<Q4>(c), d0, m0);
+      const __m256 w1 = _mm256_fmadd_ps(tokenmill_cpu::codes8<Q4>(_mm_srli_si128(c, 8)), d1, m1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i);
@@ -207,58 +209,23 @@ inline void tile_q8(const float* x, int64_t ldx, const int8_t* codes, const floa
   }
 }
 
-// tile_q8 on nibble codes (uint8 [K / 2, 16], two k per byte): the same weights and sums, bit for bit,
-// from half the bytes.
-template <int R>
-inline void tile_q4(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, const float* mins,
-                    int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  __m256 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
-    const __m256 d0 = _mm256_loadu_ps(scales + b * kPanel), d1 = _mm256_loadu_ps(scales + b * kPanel + 8);
-    const __m256 m0 = _mm256_loadu_ps(mins + b * kPanel), m1 = _mm256_loadu_ps(mins + b * kPanel + 8);
-    for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; i += 2) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2 * kPanel));
-      const __m128i pair[2] = {_mm_and_si128(c, low4), _mm_and_si128(_mm_srli_epi16(c, 4), low4)};
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pair[h])), d0, m0);
-        const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(pair[h], 8))), d1, m1);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i + h);
-          acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-        }
-      }
-    }
-  }
-  alignas(32) float tmp[kPanel];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(tmp, acc[r][0]);
-    _mm256_store_ps(tmp + 8, acc[r][1]);
-    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
-  }
-}
-
 #if defined(__AVX512F__)
-// tile_q8 on AVX-512 CPUs: a panel's 16 columns are one register, so a weight is rebuilt and used with
-// half the instructions. Each lane does tile_q8's arithmetic (the same two FMAs in the same k order), so
-// the results are equal bit for bit.
-template <int R>
-inline void tile_q8_512(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* mins,
-                        int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
+// tile_codes on AVX-512 CPUs: a panel's 16 columns are one register, so a weight is rebuilt and used with
+// half the instructions. Each lane does tile_codes's arithmetic (the same two FMAs in the same k order),
+// so the results are equal bit for bit.
+template <int R, bool Q4>
+inline void tile_codes_512(const float* x, int64_t ldx, const int8_t* codes, const float* scales, const float* mins,
+                           int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kCodeBlock; ++b) {
     const __m512 d = _mm512_loadu_ps(scales + b * kPanel), mn = _mm512_loadu_ps(mins + b * kPanel);
+#pragma GCC unroll 2
     for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; ++i) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
-      const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), d, mn);
+      const __m128i c = tokenmill_cpu::code_row<Q4>(codes, i);
+      const __m512 w =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(Q4 ? _mm512_cvtepu8_epi32(c) : _mm512_cvtepi8_epi32(c)), d, mn);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), w, acc[r]);
     }
@@ -270,57 +237,19 @@ inline void tile_q8_512(const float* x, int64_t ldx, const int8_t* codes, const 
     for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
   }
 }
-template <int R>
-inline void tile_q4_512(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, const float* mins,
-                        int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  __m512 acc[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
-    const __m512 d = _mm512_loadu_ps(scales + b * kPanel), mn = _mm512_loadu_ps(mins + b * kPanel);
-    for (int64_t i = b * kCodeBlock; i < (b + 1) * kCodeBlock; i += 2) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2 * kPanel));
-      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(c, low4))), d, mn);
-      const __m512 w1 =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, 4), low4))), d, mn);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), w0, acc[r]);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i + 1]), w1, acc[r]);
-    }
-  }
-  alignas(64) float tmp[kPanel];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(tmp, acc[r]);
-    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = tmp[c] + (bias != nullptr ? bias[c] : 0.0f);
-  }
-}
-#define TOKENMILL_TILE_Q8 tile_q8_512
-#define TOKENMILL_TILE_Q4 tile_q4_512
+#define TOKENMILL_TILE_CODES tile_codes_512
 #else
-#define TOKENMILL_TILE_Q8 tile_q8
-#define TOKENMILL_TILE_Q4 tile_q4
+#define TOKENMILL_TILE_CODES tile_codes
 #endif
 
-void rows_tile_q4(int64_t rows, const float* x, int64_t ldx, const uint8_t* codes, const float* scales,
-                  const float* mins, int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
+template <bool Q4>
+void rows_tile_codes(int64_t rows, const float* x, int64_t ldx, const int8_t* codes, const float* scales,
+                     const float* mins, int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
   switch (rows) {
-    case 1: TOKENMILL_TILE_Q4<1>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    case 2: TOKENMILL_TILE_Q4<2>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    case 3: TOKENMILL_TILE_Q4<3>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    default: TOKENMILL_TILE_Q4<4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-  }
-}
-
-void rows_tile_q8(int64_t rows, const float* x, int64_t ldx, const int8_t* codes, const float* scales,
-                  const float* mins, int64_t k, float* out, int64_t ldo, int64_t cols, const float* bias) {
-  switch (rows) {
-    case 1: TOKENMILL_TILE_Q8<1>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    case 2: TOKENMILL_TILE_Q8<2>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    case 3: TOKENMILL_TILE_Q8<3>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
-    default: TOKENMILL_TILE_Q8<4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 1: TOKENMILL_TILE_CODES<1, Q4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 2: TOKENMILL_TILE_CODES<2, Q4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    case 3: TOKENMILL_TILE_CODES<3, Q4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
+    default: TOKENMILL_TILE_CODES<4, Q4>(x, ldx, codes, scales, mins, k, out, ldo, cols, bias); break;
   }
 }
 #endif
@@ -406,11 +335,8 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
           // More rows than one tile: rebuild the panel once (the same fma per weight the q8 tile does)
           // and run the fp32 tiles over it, instead of rebuilding it in every tile.
           scratch.resize(k * kPanel);
-          if (q4)
-            tokenmill_cpu::rebuild_codes16_q4(reinterpret_cast<const uint8_t*>(cp) + p * kb, sp + p * nb * kPanel,
-                                              mp + p * nb * kPanel, k, scratch.data());
-          else
-            tokenmill_cpu::rebuild_codes16(cp + p * kb, sp + p * nb * kPanel, mp + p * nb * kPanel, k, scratch.data());
+          (q4 ? tokenmill_cpu::rebuild_codes16<true> : tokenmill_cpu::rebuild_codes16<false>)(
+              cp + p * kb, sp + p * nb * kPanel, mp + p * nb * kPanel, k, scratch.data());
           for (int64_t r = r0; r < r1; r += kTileRows)
             rows_tile(std::min(kTileRows, r1 - r), xp + r * ldx, ldx, scratch.data(), k, op + r * ldo + p * kPanel,
                       ldo, cols, pb);
@@ -418,12 +344,9 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
         }
         for (int64_t r = r0; r < r1; r += kTileRowsQ8) {
           const int64_t rows = std::min(kTileRowsQ8, r1 - r);
-          if (q4)
-            rows_tile_q4(rows, xp + r * ldx, ldx, reinterpret_cast<const uint8_t*>(cp) + p * kb, sp + p * nb * kPanel,
-                         mp + p * nb * kPanel, k, op + r * ldo + p * kPanel, ldo, cols, pb);
-          else
-            rows_tile_q8(rows, xp + r * ldx, ldx, cp + p * kb, sp + p * nb * kPanel, mp + p * nb * kPanel, k,
-                         op + r * ldo + p * kPanel, ldo, cols, pb);
+          (q4 ? rows_tile_codes<true> : rows_tile_codes<false>)(rows, xp + r * ldx, ldx, cp + p * kb,
+                                                                sp + p * nb * kPanel, mp + p * nb * kPanel, k,
+                                                                op + r * ldo + p * kPanel, ldo, cols, pb);
         }
       }
     }
