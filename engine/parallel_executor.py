@@ -79,6 +79,25 @@ def spawn_local_ranks(
     return procs
 
 
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The rank's exit code, or None while it runs. Popen.poll() answers None, without reaping, while
+    another thread holds the Popen's wait lock (the watchdog polls every WATCHDOG_POLL_S), so a rank
+    that had just died was logged as "is exited" (a zombie) without its code: wait for the lock then."""
+    code = proc.poll()
+    if code is None:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            zombie = True  # reaped already (by the other thread): wait() returns its code
+        if zombie:
+            try:
+                code = proc.wait(timeout=WATCHDOG_POLL_S + 1)
+            except subprocess.TimeoutExpired:
+                pass
+    return code
+
+
 class RankWatchdog:
     """Polls local rank processes; the first that exits takes this process down, with its rank in the log."""
 
@@ -157,7 +176,7 @@ class RankWatchdog:
         rank shows up as "stopped" (SIGSTOP) or "running"/"sleeping" (stuck), a dead one as exited."""
         parts = []
         for rank, proc in self.procs.items():
-            code = proc.poll()
+            code = _exit_code(proc)
             if code is not None:
                 parts.append(f"parallel rank {rank} (pid {proc.pid}) exited with code {code}")
                 continue

@@ -291,3 +291,43 @@ def test_liveness_connection_that_cannot_reach_the_leader_says_where_it_dialled(
     message = f"rank 3 could not open its liveness connection to the leader at 127.0.0.1:{closed}"
     with pytest.raises(ConnectionError, match=message):
         parallel_liveness.connect(store, "127.0.0.1", 3, timeout_s=5)
+
+
+def test_a_rank_that_just_died_is_logged_with_its_exit_code_while_the_watchdog_polls_it() -> None:
+    # Popen.poll() answers None, without reaping, while another thread holds the Popen's wait lock, as
+    # the rank watchdog does every 0.2 s: a step that failed right then logged the dead rank as "is
+    # exited" without its code (seen in CI: test_parallel_serve's killed rank).
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tokenmill.engine.parallel_executor import RankWatchdog
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watchdog = RankWatchdog({1: proc})
+    watchdog.stop()  # no _die: this test reads what describe_ranks says
+    proc.send_signal(signal.SIGKILL)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_wait_lock() -> None:
+        with proc._waitpid_lock:
+            held.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold_the_wait_lock)
+    holder.start()
+    held.wait(5)
+    threading.Timer(0.5, release.set).start()
+    try:
+        for _ in range(100):  # until the kernel has made it a zombie: dead, not yet reaped
+            if pathlib.Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None  # what the old code saw
+        assert watchdog.describe_ranks() == f"parallel rank 1 (pid {proc.pid}) exited with code -9"
+    finally:
+        release.set()
+        holder.join()
+        proc.kill()
+        proc.wait()
