@@ -79,23 +79,20 @@ def spawn_local_ranks(
     return procs
 
 
-def _exit_code(proc: subprocess.Popen) -> int | None:
-    """The rank's exit code, or None while it runs. Popen.poll() answers None, without reaping, while
-    another thread holds the Popen's wait lock (the watchdog polls every WATCHDOG_POLL_S), so a rank
-    that had just died was logged as "is exited" (a zombie) without its code: wait for the lock then."""
-    code = proc.poll()
-    if code is None:
-        try:
-            with open(f"/proc/{proc.pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            zombie = True  # reaped already (by the other thread): wait() returns its code
-        if zombie:
-            try:
-                code = proc.wait(timeout=WATCHDOG_POLL_S + 1)
-            except subprocess.TimeoutExpired:
-                pass
-    return code
+# How long a failed step's log waits for the local ranks to exit before it describes them: a rank killed
+# by a signal closes its sockets before it becomes a zombie, so the leader's collective can fail while the
+# rank still shows as running (seen in CI: test_parallel_serve's killed rank was logged "is running").
+DEATH_GRACE_S = 1.0
+
+
+def _exit_code(proc: subprocess.Popen, deadline: float) -> int | None:
+    """The rank's exit code once it has exited, waiting until `deadline` (time.monotonic()); None if it
+    still runs then. Popen.poll() would answer None, without reaping, while another thread (the watchdog)
+    holds the Popen's wait lock; wait() with a timeout retries until it gets the lock."""
+    try:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
 
 
 class RankWatchdog:
@@ -172,11 +169,13 @@ class RankWatchdog:
         self._stop.set()
 
     def describe_ranks(self) -> str:
-        """Each local rank's process state, for the log line of a step whose collective failed: a hung
-        rank shows up as "stopped" (SIGSTOP) or "running"/"sleeping" (stuck), a dead one as exited."""
+        """Each local rank's process state, for the log line of a step whose collective failed: a dead
+        rank (or one that exits within DEATH_GRACE_S) with its exit code, a hung one as "stopped"
+        (SIGSTOP) or "running"/"sleeping" (stuck)."""
         parts = []
+        deadline = time.monotonic() + DEATH_GRACE_S
         for rank, proc in self.procs.items():
-            code = _exit_code(proc)
+            code = _exit_code(proc, deadline)
             if code is not None:
                 parts.append(f"parallel rank {rank} (pid {proc.pid}) exited with code {code}")
                 continue

@@ -331,3 +331,27 @@ def test_a_rank_that_just_died_is_logged_with_its_exit_code_while_the_watchdog_p
         holder.join()
         proc.kill()
         proc.wait()
+
+
+def test_a_rank_dying_just_after_the_failed_step_is_logged_with_its_exit_code() -> None:
+    # A rank killed by a signal closes its sockets before it becomes a zombie, so the leader's collective
+    # fails while the rank still runs: describe_ranks waits DEATH_GRACE_S for it (seen in CI: "is running").
+    import subprocess
+    import sys
+
+    from tokenmill.engine.parallel_executor import DEATH_GRACE_S, RankWatchdog
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watchdog = RankWatchdog({1: proc, 2: stuck})
+    watchdog.stop()
+    try:
+        assert proc.poll() is None
+        said = watchdog.describe_ranks()
+        assert said.startswith(f"parallel rank 1 (pid {proc.pid}) exited with code 3; ")
+        assert said.endswith(f"parallel rank 2 (pid {stuck.pid}) is sleeping")  # waited no longer than the grace
+        assert DEATH_GRACE_S <= 2
+    finally:
+        for p in (proc, stuck):
+            p.kill()
+            p.wait()
