@@ -83,6 +83,29 @@ def cpu_linear_mode() -> str:
 # EPYC at load 3, codes vs prepacked: 1 row 87-96 vs 163-166 us, 3 rows 113-121 vs 153-175, 4 rows
 # 141-147 vs 144-158, 6 rows 271-279 vs 167-181 (docs/benchmarks.md, "bf16 from integer codes").
 BF16_CODES_MAX_ROWS = 3
+# ...and where the CPU has AVX-512 BF16, the codes' own bf16 dot kernel (cpu_linear_bf16.cpp), which
+# multiplies by the codes as bf16 operands, up to this many rows. Decode steps of the bundled model,
+# `bench roofline --dtype bfloat16 --threads 2`, this kernel up to 256 rows vs oneDNN from 1 row (AVX-512
+# BF16 EPYC, two runs each): 16 rows 36.0-39.8 vs 41.1-41.9 ms, 32 rows 57.4-59.4 vs 57.5-63.0, 64 rows
+# 110.8-118.4 vs 102.4-104.8, 128 rows 196-213 vs 157-169: past 32 rows oneDNN's register tiles win.
+BF16_DOT_MAX_ROWS = 32
+
+
+@functools.cache
+def bf16_dot_supported() -> bool:
+    """Whether the bf16 dot kernel on integer codes built (a CPU with AVX-512 BF16)."""
+    ops = cpu_kernels.load()
+    return ops is not None and ops.linear_codes_bf16_supported()
+
+
+@functools.cache
+def bf16_codes_max_rows() -> int:
+    """Rows up to which a bf16 model's linears run from their integer codes (the rest: oneDNN).
+    TOKENMILL_BF16_CODES_ROWS overrides it, for A/B runs (read once per process)."""
+    env = os.environ.get("TOKENMILL_BF16_CODES_ROWS")
+    if env is not None:
+        return int(env)
+    return BF16_DOT_MAX_ROWS if bf16_dot_supported() else BF16_CODES_MAX_ROWS
 
 
 def bf16_codes_wanted(device: torch.device, dtype: torch.dtype) -> bool:
@@ -115,17 +138,24 @@ class CpuPackedWeight:
     scales: torch.Tensor | None = None  # [panels, in / 32, 16]
     mins: torch.Tensor | None = None
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias, fp32), in x's dtype: fp32, or bf16 on codes for up to
-        CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded once)."""
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias, fp32), in x's dtype (or out_dtype: fp32 logits from bf16 x on the
+        bf16 dot kernel): fp32, or bf16 on codes for up to CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded
+        once)."""
         # A decode step makes ~120 of these calls: 2-D inputs skip the reshape and view (each ~1 us).
         flat = x.dim() == 2
         rows = x if flat else x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
         ops = cpu_kernels.load()
-        if self.codes is None:
+        if x.dtype == torch.bfloat16 and self.codes is not None and bf16_dot_supported():
+            ops.linear_codes_bf16(out, rows, self.codes, self.scales, self.mins, bias)
+        elif rows.dtype != out.dtype:  # fp32 logits of bf16 rows without the dot kernel: widen x
+            return self.linear(x.to(out.dtype), bias)
+        elif self.codes is None:
             ops.linear_packed(out, rows, self.fp32, bias)
         elif rows.shape[0] > CPU_PACKED_MAX_ROWS:
             ops.linear_q8_gemm(out, rows, self.codes, self.scales, self.mins, bias)
@@ -230,7 +260,7 @@ class Linear(nn.Linear):
         if packed_cpu is not None:
             rows = x.numel() // x.shape[-1]
             if x.dtype == torch.bfloat16:
-                if rows <= BF16_CODES_MAX_ROWS:
+                if rows <= bf16_codes_max_rows():
                     return packed_cpu.linear(x, self.bias_fp32)
             elif self.weight is None or rows <= CPU_PACKED_MAX_ROWS:  # fp32
                 return packed_cpu.linear(x, self.bias)

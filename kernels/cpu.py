@@ -24,6 +24,7 @@ _SOURCES = [
     _CSRC / "cpu_layers.cpp",
     _CSRC / "cpu_linear.cpp",
     _CSRC / "cpu_gemm.cpp",
+    _CSRC / "cpu_linear_bf16.cpp",
 ]
 _HEADERS = [_CSRC / "cpu_common.h"]
 # fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity). -fopenmp:

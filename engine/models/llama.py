@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.layers import (
-    BF16_CODES_MAX_ROWS,
     CPU_PACKED_MAX_ROWS,
     PREPACK_MIN_ROWS,
     CpuPackedWeight,
@@ -23,6 +22,7 @@ from tokenmill.engine.layers import (
     RMSNorm,
     Rope,
     RotaryEmbedding,
+    bf16_codes_max_rows,
     codes_weight,
     pack_cpu_weight,
     packed_linear,
@@ -220,9 +220,9 @@ class LlamaForCausalLM(nn.Module):
         (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.lm_head_packed_cpu
-        codes_rows = CPU_PACKED_MAX_ROWS if hidden.dtype == torch.float32 else BF16_CODES_MAX_ROWS
+        codes_rows = CPU_PACKED_MAX_ROWS if hidden.dtype == torch.float32 else bf16_codes_max_rows()
         if packed is not None and (weight is None or hidden.shape[0] <= codes_rows):
-            local = packed.linear(hidden.float())
+            local = packed.linear(hidden, out_dtype=torch.float32)
         elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
             local = packed_linear(hidden, self.lm_head_packed).float()
         else:
@@ -240,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_weight_codes(self) -> None:
         """Before a cast of this fp32 model to bf16 on CPU: keep the integer codes of every projection
-        and of the LM head that has them, for single rows (layers.BF16_CODES_MAX_ROWS). The tied
+        and of the LM head that has them, for small batches (layers.bf16_codes_max_rows). The tied
         embedding keeps its matrix: prompts look rows up in it."""
         for module in self.model.modules():
             if isinstance(module, Linear):

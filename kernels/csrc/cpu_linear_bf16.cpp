@@ -1,0 +1,197 @@
+// bf16 linear layers (y = x W^T + b, x bf16) on the integer-code weights, for CPUs with AVX-512 BF16.
+//
+// Why: a bf16 model converted from a GGUF keeps its weights' codes (cpu_linear.cpp's panels: Q4 nibbles,
+// 0.5 bytes per weight plus fp32 scale and min per 32). The fp32 code tiles rebuild every weight as an
+// fp32 value and spend one FMA per weight per row, so past 3 rows they lost to oneDNN's prepacked bf16
+// weights, which in turn ran 8 rows at a third of the memory bandwidth (docs/benchmarks.md).
+//
+// Here the codes themselves are the bf16 operands. Per block of 32 k and output column,
+//   sum_k x_k (d c_k + m) = d * sum_k x_k c_k + m * sum_k x_k,
+// the codes (0..15, or -128..127) are exact in bf16 and x is bf16 already, so vdpbf16ps forms
+// sum_k x_k c_k two k at a time with exact products, and sum_k x_k is computed once per row and block for
+// all columns. A weight then costs a table lookup (Q4) instead of a widen, convert and FMA, and each row
+// half an instruction per pair of weights.
+//
+// Numerics: fp32 sums of exact products, with the fp32 weights' own values (not their bf16 rounding, as
+// the fp32 tiles); the sum is grouped by block, so results differ from cpu_linear.cpp's in fp32 rounding.
+// The output is rounded once (bf16 out) or kept (fp32 out: the LM head's logits).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16;      // output columns per panel (cpu_linear.cpp's layout)
+constexpr int64_t kCodeBlock = 32;  // k per scale/min pair
+constexpr int64_t kTileRows = 8;    // rows per register tile: 8 sums + 8 block sums + weights, scale, min
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_BF16_DOT 1
+
+// The 32 codes of k = 2j, 2j + 1 for the panel's 16 columns as bf16 pairs: lane i holds (c(2j, i),
+// c(2j + 1, i)) in its low and high 16 bits, the order vdpbf16ps pairs them with a row's (x_2j, x_2j+1).
+template <bool Q4>
+inline __m512i code_pairs(const int8_t* codes, int64_t j, __m512i table) {
+  if (Q4) {
+    // Nibble row j holds both: byte i = c(2j, i) | c(2j + 1, i) << 4. b | b << 12 puts the low nibble in
+    // the low word's bits 0-3 and the high one in the high word's; vpermw reads 5 index bits, so the low
+    // word's bit 4 (the high nibble's) is ignored by a table that repeats its 16 entries.
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
+  }
+  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * 16));
+  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * 16));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(r0, r1)));  // columns 0-7
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(r0, r1)));  // columns 8-15
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // small integers: exact
+}
+
+// out[r, 0..cols) for R rows of x (bf16, ldx apart) against one panel; xsum [R, K / 32] the rows' block
+// sums (ldxs apart).
+template <int R, bool Q4, typename TOut>
+inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t ldxs, const int8_t* codes,
+                     const float* scales, const float* mins, int64_t k, __m512i table, TOut* out, int64_t ldo,
+                     int64_t cols, const float* bias) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int32_t* xw = reinterpret_cast<const int32_t*>(x);  // a row's k pairs as 32-bit words
+  for (int64_t b = 0; b < k / kCodeBlock; ++b) {
+    __m512 blk[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) blk[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j) {
+      const __m512bh w = reinterpret_cast<__m512bh>(code_pairs<Q4>(codes, j, table));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        blk[r] = _mm512_dpbf16_ps(blk[r], w, reinterpret_cast<__m512bh>(_mm512_set1_epi32(xw[r * ldx / 2 + j])));
+    }
+    const __m512 d = _mm512_loadu_ps(scales + b * kPanel), mn = _mm512_loadu_ps(mins + b * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * ldxs + b]), _mm512_fmadd_ps(blk[r], d, acc[r]));
+  }
+  __m512 bv = _mm512_setzero_ps();
+  if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), bias);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 y = _mm512_add_ps(acc[r], bv);
+    if (cols == kPanel) {
+      tokenmill_cpu::store16(out + r * ldo, y);
+    } else {
+      alignas(64) TOut tmp[kPanel];
+      tokenmill_cpu::store16(tmp, y);
+      std::copy(tmp, tmp + cols, out + r * ldo);
+    }
+  }
+}
+
+template <bool Q4, typename TOut>
+void rows_tile_dot(int64_t rows, const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t ldxs,
+                   const int8_t* codes, const float* scales, const float* mins, int64_t k, __m512i table, TOut* out,
+                   int64_t ldo, int64_t cols, const float* bias) {
+#define TOKENMILL_TILE(R) \
+  tile_dot<R, Q4, TOut>(x, ldx, xsum, ldxs, codes, scales, mins, k, table, out, ldo, cols, bias); break
+  switch (rows) {
+    case 1: TOKENMILL_TILE(1);
+    case 2: TOKENMILL_TILE(2);
+    case 3: TOKENMILL_TILE(3);
+    case 4: TOKENMILL_TILE(4);
+    case 5: TOKENMILL_TILE(5);
+    case 6: TOKENMILL_TILE(6);
+    case 7: TOKENMILL_TILE(7);
+    default: TOKENMILL_TILE(8);
+  }
+#undef TOKENMILL_TILE
+}
+#endif
+
+bool linear_codes_bf16_supported() {
+#if defined(TOKENMILL_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out [M, N] (bf16, or fp32 for logits) = x [M, K] (bf16) @ W^T (+ bias, fp32) with W as integer codes
+// (cpu_linear.cpp's linear_packed_q8 layout: int8 [panels, K, 16] or nibbles uint8 [panels, K / 2, 16],
+// scales and mins fp32 [panels, K / 32, 16]).
+void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(linear_codes_bf16_supported(), "linear_codes_bf16: this build has no AVX-512 BF16 path");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.stride(0) % 2 == 0,
+              "linear_codes_bf16: x must be 2-D bfloat16 with contiguous rows an even number of elements apart");
+  const int64_t k = x.size(1);
+  tokenmill_cpu::check_codes("linear_codes_bf16", codes, scales, mins, k, true);
+  const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
+  TORCH_CHECK(out.device().is_cpu() && (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+                  out.dim() == 2 && out.stride(1) == 1 && out.size(0) == m,
+              "linear_codes_bf16: out must be 2-D bfloat16 or float32 [rows of x, N] with contiguous rows");
+  TORCH_CHECK(n <= panels * kPanel && n > (panels - 1) * kPanel, "linear_codes_bf16: out has ", n,
+              " columns, the codes ", panels, " panels of 16");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n,
+                "linear_codes_bf16: bias must be contiguous float32 [", n, "]");
+    bp = bias->data_ptr<float>();
+  }
+#if defined(TOKENMILL_BF16_DOT)
+  const int64_t nb = k / kCodeBlock, ldx = x.stride(0), ldo = out.stride(0);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  // Each row's sum of x per block of 32 k, shared by every column's min term.
+  std::vector<float> xsum(m * nb);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 s = _mm512_add_ps(tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock),
+                               tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock + 16));
+      xsum[r * nb + b] = _mm512_reduce_add_ps(s);
+    }
+  alignas(64) uint16_t entries[32];
+  for (int i = 0; i < 32; ++i) entries[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
+  const __m512i table = _mm512_load_si512(entries);
+  const bool q4 = codes.scalar_type() == at::kByte;
+  const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
+  const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;  // code bytes per panel
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  auto run = [&](auto* op) {
+    using TOut = std::remove_pointer_t<decltype(op)>;
+    // Threads split the panels, so each code byte is read by one thread; a panel (at most 9 KB of codes
+    // for K = 576) stays in L1 while every row tile passes over it.
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t cols = std::min(kPanel, n - p * kPanel);
+        const float* pb = bp != nullptr ? bp + p * kPanel : nullptr;
+        for (int64_t r = 0; r < m; r += kTileRows)
+          (q4 ? rows_tile_dot<true, TOut> : rows_tile_dot<false, TOut>)(
+              std::min(kTileRows, m - r), xp + r * ldx, ldx, xsum.data() + r * nb, nb, cp + p * kb,
+              sp + p * nb * kPanel, mp + p * nb * kPanel, k, table, op + r * ldo + p * kPanel, ldo, cols, pb);
+      }
+    });
+  };
+  if (out.scalar_type() == at::kFloat)
+    run(out.data_ptr<float>());
+  else
+    run(out.data_ptr<c10::BFloat16>());
+#else
+  (void)bp;
+  (void)m;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("linear_codes_bf16_supported() -> bool", &linear_codes_bf16_supported);
+  m.def("linear_codes_bf16(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> ()");
+  m.impl("linear_codes_bf16", c10::DispatchKey::CPU, &linear_codes_bf16);
+}
