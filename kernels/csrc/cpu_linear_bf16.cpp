@@ -29,7 +29,8 @@ namespace {
 
 constexpr int64_t kPanel = 16;      // output columns per panel (cpu_linear.cpp's layout)
 constexpr int64_t kCodeBlock = 32;  // k per scale/min pair
-constexpr int64_t kTileRows = 8;    // rows per register tile: 8 sums + 8 block sums + weights, scale, min
+constexpr int64_t kTileRows = 8;    // rows per tile: 8 x kPanels block sums in registers
+constexpr int64_t kPanels = 2;      // panels per tile: each x broadcast feeds this many dot products
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_BF16_DOT 1
@@ -52,53 +53,70 @@ inline __m512i code_pairs(const int8_t* codes, int64_t j, __m512i table) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // small integers: exact
 }
 
-// out[r, 0..cols) for R rows of x (bf16, ldx apart) against one panel; xsum [R, K / 32] the rows' block
-// sums (ldxs apart).
-template <int R, bool Q4, typename TOut>
+// out[r, 16 q + 0..cols) for R rows of x (bf16, ldx apart) against P adjacent panels (kb code bytes
+// apart); cols < 16 only in the last panel of the weight. xsum [R, K / 32] the rows' block sums (ldxs
+// apart). Each broadcast of a row's x pair feeds P dot products; the block sums live in registers and
+// the running sums in an L1 array (one load and store per block, against 16 dot products).
+template <int R, int P, bool Q4, typename TOut>
 inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t ldxs, const int8_t* codes,
-                     const float* scales, const float* mins, int64_t k, __m512i table, TOut* out, int64_t ldo,
-                     int64_t cols, const float* bias) {
-  __m512 acc[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+                     int64_t kb, const float* scales, const float* mins, int64_t sb, int64_t k, __m512i table,
+                     TOut* out, int64_t ldo, int64_t cols, const float* bias) {
+  alignas(64) float acc[R][P][kPanel] = {};
   const int32_t* xw = reinterpret_cast<const int32_t*>(x);  // a row's k pairs as 32-bit words
   for (int64_t b = 0; b < k / kCodeBlock; ++b) {
-    __m512 blk[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) blk[r] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j) {
-      const __m512bh w = reinterpret_cast<__m512bh>(code_pairs<Q4>(codes, j, table));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        blk[r] = _mm512_dpbf16_ps(blk[r], w, reinterpret_cast<__m512bh>(_mm512_set1_epi32(xw[r * ldx / 2 + j])));
-    }
-    const __m512 d = _mm512_loadu_ps(scales + b * kPanel), mn = _mm512_loadu_ps(mins + b * kPanel);
+    __m512 blk[R][P];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * ldxs + b]), _mm512_fmadd_ps(blk[r], d, acc[r]));
-  }
-  __m512 bv = _mm512_setzero_ps();
-  if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), bias);
+#pragma GCC unroll 4
+      for (int q = 0; q < P; ++q) blk[r][q] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j) {
+      __m512bh w[P];
+#pragma GCC unroll 4
+      for (int q = 0; q < P; ++q) w[q] = reinterpret_cast<__m512bh>(code_pairs<Q4>(codes + q * kb, j, table));
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m512 y = _mm512_add_ps(acc[r], bv);
-    if (cols == kPanel) {
-      tokenmill_cpu::store16(out + r * ldo, y);
-    } else {
-      alignas(64) TOut tmp[kPanel];
-      tokenmill_cpu::store16(tmp, y);
-      std::copy(tmp, tmp + cols, out + r * ldo);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xw[r * ldx / 2 + j]));
+#pragma GCC unroll 4
+        for (int q = 0; q < P; ++q) blk[r][q] = _mm512_dpbf16_ps(blk[r][q], w[q], xv);
+      }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < P; ++q) {
+      const __m512 d = _mm512_loadu_ps(scales + q * sb + b * kPanel), mn = _mm512_loadu_ps(mins + q * sb + b * kPanel);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_fmadd_ps(blk[r][q], d, _mm512_load_ps(acc[r][q]));
+        _mm512_store_ps(acc[r][q], _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * ldxs + b]), a));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < P; ++q) {
+    const int64_t c = q == P - 1 ? cols : kPanel;
+    __m512 bv = _mm512_setzero_ps();
+    if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << c) - 1), bias + q * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 y = _mm512_add_ps(_mm512_load_ps(acc[r][q]), bv);
+      TOut* o = out + r * ldo + q * kPanel;
+      if (c == kPanel) {
+        tokenmill_cpu::store16(o, y);
+      } else {
+        alignas(64) TOut tmp[kPanel];
+        tokenmill_cpu::store16(tmp, y);
+        std::copy(tmp, tmp + c, o);
+      }
     }
   }
 }
 
-template <bool Q4, typename TOut>
+template <int P, bool Q4, typename TOut>
 void rows_tile_dot(int64_t rows, const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t ldxs,
-                   const int8_t* codes, const float* scales, const float* mins, int64_t k, __m512i table, TOut* out,
-                   int64_t ldo, int64_t cols, const float* bias) {
+                   const int8_t* codes, int64_t kb, const float* scales, const float* mins, int64_t sb, int64_t k,
+                   __m512i table, TOut* out, int64_t ldo, int64_t cols, const float* bias) {
 #define TOKENMILL_TILE(R) \
-  tile_dot<R, Q4, TOut>(x, ldx, xsum, ldxs, codes, scales, mins, k, table, out, ldo, cols, bias); break
+  tile_dot<R, P, Q4, TOut>(x, ldx, xsum, ldxs, codes, kb, scales, mins, sb, k, table, out, ldo, cols, bias); break
   switch (rows) {
     case 1: TOKENMILL_TILE(1);
     case 2: TOKENMILL_TILE(2);
@@ -167,14 +185,21 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
     using TOut = std::remove_pointer_t<decltype(op)>;
     // Threads split the panels, so each code byte is read by one thread; a panel (at most 9 KB of codes
     // for K = 576) stays in L1 while every row tile passes over it.
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t cols = std::min(kPanel, n - p * kPanel);
+    // Threads split pairs of panels, so each code byte is read by one thread; the pair's codes (at most
+    // 9 KB for K = 576) stay in L1 while every row tile passes over them.
+    const int64_t pairs = (panels + kPanels - 1) / kPanels, sb = nb * kPanel;
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t pp = begin; pp < end; ++pp) {
+        const int64_t p = pp * kPanels, np = std::min(kPanels, panels - p);
+        const int64_t cols = n - (p + np - 1) * kPanel;  // of the last panel of the group
         const float* pb = bp != nullptr ? bp + p * kPanel : nullptr;
-        for (int64_t r = 0; r < m; r += kTileRows)
-          (q4 ? rows_tile_dot<true, TOut> : rows_tile_dot<false, TOut>)(
-              std::min(kTileRows, m - r), xp + r * ldx, ldx, xsum.data() + r * nb, nb, cp + p * kb,
-              sp + p * nb * kPanel, mp + p * nb * kPanel, k, table, op + r * ldo + p * kPanel, ldo, cols, pb);
+        for (int64_t r = 0; r < m; r += kTileRows) {
+          const int64_t rows = std::min(kTileRows, m - r);
+          auto* tile = np == kPanels ? (q4 ? rows_tile_dot<kPanels, true, TOut> : rows_tile_dot<kPanels, false, TOut>)
+                                     : (q4 ? rows_tile_dot<1, true, TOut> : rows_tile_dot<1, false, TOut>);
+          tile(rows, xp + r * ldx, ldx, xsum.data() + r * nb, nb, cp + p * kb, kb, sp + p * sb, mp + p * sb, sb, k,
+               table, op + r * ldo + p * kPanel, ldo, std::min(cols, kPanel), pb);
+        }
       }
     });
   };
