@@ -7,6 +7,7 @@ loaded fp32 rows. So these tests use torch.equal, not a tolerance.
 
 import pytest
 import torch
+from quantized_weights import quantized_weight
 from tokenmill.engine.layers import CPU_PACKED_MAX_ROWS, Linear, fp32_linear_ops, pack_cpu_weight
 from tokenmill.engine.models.llama import VocabParallelEmbedding
 
@@ -14,20 +15,6 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
     fp32_linear_ops(CPU, torch.float32) is None, reason="needs an AVX2 + FMA CPU and the C++ kernels"
 )
-
-
-def _quantized(n: int, k: int, kind: str, seed: int) -> torch.Tensor:
-    """An fp32 weight as a GGUF Q4_1 / Q8_0 tensor dequantizes to: fp16 scale (and min) per 32 of a row."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).to(torch.float16).double()
-    if kind == "q4_1":
-        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).double()
-        m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).to(torch.float16).double()
-    else:
-        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).double()
-        q[..., 3] = -127
-        m = torch.zeros(n, k // 32, 1, dtype=torch.float64)
-    return (d * q + m).to(torch.float32).reshape(n, k)
 
 
 def _gemm(packed, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +27,7 @@ def _gemm(packed, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Te
 # cross its 256-row block (1 MB of x) and leave a 1-row tile (301 = 50 * 6 + 1).
 @pytest.mark.parametrize("n,k,kind", [(50, 96, "q4_1"), (64, 1056, "q8_0"), (33, 576, "q4_1")])
 def test_gemm_equals_the_small_batch_kernel_and_the_fp32_panels(n: int, k: int, kind: str) -> None:
-    w = _quantized(n, k, kind, seed=n + k)
+    w = quantized_weight(n, k, kind, seed=n + k)
     blocks, panels = pack_cpu_weight(w, blocks=True), pack_cpu_weight(w, blocks=False)
     assert blocks.codes is not None and panels.fp32 is not None
     g = torch.Generator().manual_seed(7)
@@ -59,7 +46,7 @@ def test_gemm_equals_the_small_batch_kernel_and_the_fp32_panels(n: int, k: int, 
 
 
 def test_a_rows_result_does_not_depend_on_the_batch() -> None:
-    w = _quantized(40, 1056, "q4_1", seed=3)
+    w = quantized_weight(40, 1056, "q4_1", seed=3)
     packed = pack_cpu_weight(w, blocks=True)
     x = torch.randn(300, 1056, generator=torch.Generator().manual_seed(4))
     full = _gemm(packed, x)
@@ -71,7 +58,7 @@ def test_a_rows_result_does_not_depend_on_the_batch() -> None:
 
 def test_gemm_refuses_wrong_arguments_with_the_sizes() -> None:
     ops = fp32_linear_ops(CPU, torch.float32)
-    packed = pack_cpu_weight(_quantized(32, 64, "q4_1", seed=5), blocks=True)
+    packed = pack_cpu_weight(quantized_weight(32, 64, "q4_1", seed=5), blocks=True)
     c, s, m = packed.codes, packed.scales, packed.mins
     with pytest.raises(RuntimeError, match=r"codes are int8 \[panels, K=96, 16\]"):
         ops.linear_q8_gemm(torch.empty(2, 32), torch.randn(2, 96), c, s, m, None)
@@ -90,7 +77,7 @@ def test_gemm_refuses_wrong_arguments_with_the_sizes() -> None:
 @pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
 def test_embedding_from_codes_gives_the_fp32_rows(kind: str) -> None:
     vocab, hidden = 101, 96  # 101: a ragged last panel
-    w = _quantized(vocab, hidden, kind, seed=8)
+    w = quantized_weight(vocab, hidden, kind, seed=8)
     packed = pack_cpu_weight(w, blocks=True, nibbles=False)
     ops = fp32_linear_ops(CPU, torch.float32)
     ids = torch.tensor([0, 100, 15, 16, 17, 3, 3, 99])
@@ -119,7 +106,7 @@ def test_embedding_from_codes_gives_the_fp32_rows(kind: str) -> None:
 
 
 def test_a_linear_on_integer_blocks_drops_its_fp32_weight_and_runs_every_batch_from_codes() -> None:
-    w = _quantized(50, 96, "q4_1", seed=9)
+    w = quantized_weight(50, 96, "q4_1", seed=9)
     g = torch.Generator().manual_seed(10)
     b = torch.randn(50, generator=g)
     dropped, kept = Linear(96, 50, bias=True), Linear(96, 50, bias=True)
@@ -145,7 +132,7 @@ def test_a_linear_on_integer_blocks_drops_its_fp32_weight_and_runs_every_batch_f
 
 
 def test_a_tied_embedding_without_its_fp32_matrix_looks_rows_up_in_the_codes() -> None:
-    w = _quantized(70, 64, "q8_0", seed=11)
+    w = quantized_weight(70, 64, "q8_0", seed=11)
     emb = VocabParallelEmbedding(70, 64)
     with torch.no_grad():
         emb.weight.copy_(w)
@@ -180,7 +167,7 @@ def test_the_bundled_model_keeps_no_fp32_copy_of_its_quantized_weights(bundled_m
 def test_nibble_codes_give_the_int8_codes_results_bit_for_bit(rows: int) -> None:
     # Q4_1 codes (0..15) are packed two to a byte: every batch path (the small-batch tiles, the rebuilt
     # panel past 4 rows, the GEMM past 16) reads them and must sum the same weights in the same order.
-    w = _quantized(50, 1056, "q4_1", seed=11)  # a ragged last panel; K crosses the GEMM's 1024-deep block
+    w = quantized_weight(50, 1056, "q4_1", seed=11)  # a ragged last panel; K crosses the GEMM's 1024-deep block
     nib, int8 = pack_cpu_weight(w, blocks=True), pack_cpu_weight(w, blocks=True, nibbles=False)
     assert nib.codes.dtype == torch.uint8 and nib.codes.shape == (4, 528, 16) and int8.codes.dtype == torch.int8
     assert nib.nbytes < 0.65 * int8.nbytes

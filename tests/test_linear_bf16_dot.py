@@ -9,26 +9,12 @@ product with the fp32 weights (their values, not their bf16 rounding) plus an fp
 import pytest
 import torch
 import torch.nn.functional as F
+from quantized_weights import quantized_weight
 from tokenmill.engine.layers import bf16_dot_supported, codes_weight, nibble_codes
 from tokenmill.kernels import cpu as cpu_kernels
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not bf16_dot_supported(), reason="needs AVX-512 BF16 and the C++ kernels")
-
-
-def _quantized(n: int, k: int, kind: str, seed: int) -> torch.Tensor:
-    """An fp32 weight as a GGUF Q4_1 / Q8_0 tensor dequantizes to: fp16 scale (and min) per 32 of a row."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).to(torch.float16).double()
-    if kind == "q4_1":
-        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).double()
-        q[..., 0], q[..., 1] = 0, 15
-        m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).to(torch.float16).double()
-    else:
-        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).double()
-        q[..., 3] = -127
-        m = torch.zeros(n, k // 32, 1, dtype=torch.float64)
-    return (d * q + m).to(torch.float32).reshape(n, k)
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -48,7 +34,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(50, 96), (64, 576)])
 def test_dot_kernel_is_the_exact_product_rounded(kind: str, n: int, k: int) -> None:
-    w = _quantized(n, k, kind, seed=n + k)
+    w = quantized_weight(n, k, kind, seed=n + k)
     packed = codes_weight(w, nibbles=True)
     assert packed is not None and packed.codes.dtype == (torch.uint8 if kind == "q4_1" else torch.int8)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
@@ -64,7 +50,7 @@ def test_dot_kernel_is_the_exact_product_rounded(kind: str, n: int, k: int) -> N
 
 
 def test_rows_a_stride_apart_and_a_rows_result_does_not_depend_on_the_batch() -> None:
-    w = _quantized(40, 128, "q4_1", seed=3)
+    w = quantized_weight(40, 128, "q4_1", seed=3)
     packed = codes_weight(w)
     ops = cpu_kernels.load()
     wide = torch.randn(11, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -78,7 +64,7 @@ def test_rows_a_stride_apart_and_a_rows_result_does_not_depend_on_the_batch() ->
 
 
 def test_int8_and_nibble_codes_give_the_same_results() -> None:
-    w = _quantized(48, 192, "q4_1", seed=4)
+    w = quantized_weight(48, 192, "q4_1", seed=4)
     nib, byte = codes_weight(w, nibbles=True), codes_weight(w, nibbles=False)
     assert torch.equal(nib.codes, nibble_codes(byte.codes))
     x = torch.randn(5, 192).to(torch.bfloat16)
@@ -91,7 +77,7 @@ def test_int8_and_nibble_codes_give_the_same_results() -> None:
 
 
 def test_wrong_arguments_are_refused_with_what_was_expected() -> None:
-    packed = codes_weight(_quantized(32, 64, "q4_1", seed=5))
+    packed = codes_weight(quantized_weight(32, 64, "q4_1", seed=5))
     ops = cpu_kernels.load()
     x = torch.randn(2, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="x must be 2-D bfloat16"):
