@@ -229,17 +229,20 @@ inline void check_codes(const char* op, const at::Tensor& codes, const at::Tenso
                 op, ": scales and mins are float32 [", panels, ", ", kk / 32, ", 16], got ", t->sizes());
 }
 
-// x and out as the kernels read and write them (float32, or both bfloat16 where bf16_ok), out's width
-// against the weight's panels of 16, and the bias; returns the bias pointer (nullptr without one).
+// x and out as the kernels read and write them (float32, or both bfloat16 where bf16_ok; a bfloat16 x may
+// also write float32 out where fp32_out_ok), out's width against the weight's panels of 16, and the bias;
+// returns the bias pointer (nullptr without one).
 inline const float* check_linear_args(const char* op, const at::Tensor& out, const at::Tensor& x, int64_t panels,
                                       const char* weight_name, const c10::optional<at::Tensor>& bias,
-                                      bool bf16_ok = false) {
+                                      bool bf16_ok = false, bool fp32_out_ok = false) {
   TORCH_CHECK(linear_kernels_built(), op, ": this build has no AVX2 + FMA path");
   const bool bf16 = bf16_ok && x.scalar_type() == at::kBFloat16;
-  const char* dtype = bf16 ? "bfloat16" : "float32";
+  const char* dtype = bf16 ? (fp32_out_ok ? "bfloat16 or float32" : "bfloat16") : "float32";
   TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be 2-D float32", bf16_ok ? " or bfloat16" : "", " with contiguous rows");
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.stride(1) == 1 &&
+  const bool out_dtype_ok =
+      out.scalar_type() == x.scalar_type() || (bf16 && fp32_out_ok && out.scalar_type() == at::kFloat);
+  TORCH_CHECK(out.device().is_cpu() && out_dtype_ok && out.dim() == 2 && out.stride(1) == 1 &&
                   out.size(0) == x.size(0),
               op, ": out must be 2-D ", dtype, " [rows of x, N] with contiguous rows");
   const int64_t n = out.size(1);

@@ -151,17 +151,8 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
   const int64_t k = x.size(1);
   tokenmill_cpu::check_codes("linear_codes_bf16", codes, scales, mins, k, true);
   const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
-  TORCH_CHECK(out.device().is_cpu() && (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
-                  out.dim() == 2 && out.stride(1) == 1 && out.size(0) == m,
-              "linear_codes_bf16: out must be 2-D bfloat16 or float32 [rows of x, N] with contiguous rows");
-  TORCH_CHECK(n <= panels * kPanel && n > (panels - 1) * kPanel, "linear_codes_bf16: out has ", n,
-              " columns, the codes ", panels, " panels of 16");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n,
-                "linear_codes_bf16: bias must be contiguous float32 [", n, "]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp =
+      tokenmill_cpu::check_linear_args("linear_codes_bf16", out, x, panels, "the codes", bias, true, true);
 #if defined(TOKENMILL_BF16_DOT)
   const int64_t nb = k / kCodeBlock, ldx = x.stride(0), ldo = out.stride(0);
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
@@ -183,8 +174,6 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
   const float* mp = mins.data_ptr<float>();
   auto run = [&](auto* op) {
     using TOut = std::remove_pointer_t<decltype(op)>;
-    // Threads split the panels, so each code byte is read by one thread; a panel (at most 9 KB of codes
-    // for K = 576) stays in L1 while every row tile passes over it.
     // Threads split pairs of panels, so each code byte is read by one thread; the pair's codes (at most
     // 9 KB for K = 576) stay in L1 while every row tile passes over them.
     const int64_t pairs = (panels + kPanels - 1) / kPanels, sb = nb * kPanel;
@@ -210,6 +199,7 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
 #else
   (void)bp;
   (void)m;
+  (void)n;
 #endif
 }
 
