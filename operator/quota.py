@@ -106,7 +106,11 @@ def cap_replicas(
             if key not in hard_map:
                 continue
             hard = int(parse_quantity(hard_map[key]))
-            used = int(parse_quantity(used_map.get(key, own)))
+            # The quota controller recounts `used` after pods appear, so a fresh status may not hold our
+            # newest pods yet (seen: used 0 with our 2 pods running, and a third replica refused). What
+            # this service's own live pods take is a floor for it.
+            reported = int(parse_quantity(used_map.get(key, own)))
+            used = max(reported, own)
             headroom = max(0, hard - used + own)
             fits = headroom // gpus_per_replica
             name = (quota.get("metadata") or {}).get("name", "?")

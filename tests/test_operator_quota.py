@@ -72,6 +72,14 @@ def test_used_missing_means_only_our_pods():
     assert cap_replicas(4, 1, [q], [pod(1)]).max_replicas == 2
 
 
+def test_a_stale_used_never_counts_our_pods_twice():
+    # The quota was just created: its status still says used 0 while our 2 one-GPU pods run. Headroom
+    # is hard 2 - 2 (ours, the floor for used) + 2 (ours, replaced rather than added) = 2 replicas, not 4.
+    cap = cap_replicas(3, 1, [quota(hard="2", used="0")], [pod(1, name="a"), pod(1, name="b")])
+    assert cap.max_replicas == 2 and cap.limited
+    assert "used 2 of which 2 by this service" in cap.message
+
+
 @pytest.mark.parametrize(("spec", "priority", "applies"), [
     ({}, None, True),
     ({"scopes": ["NotTerminating"]}, None, True),
