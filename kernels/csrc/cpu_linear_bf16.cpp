@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu_codes_bf16.h"
 #include "cpu_common.h"
 
 namespace {
@@ -35,23 +36,7 @@ constexpr int64_t kPanels = 2;      // panels per tile: each x broadcast feeds t
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TOKENMILL_BF16_DOT 1
 
-// The 32 codes of k = 2j, 2j + 1 for the panel's 16 columns as bf16 pairs: lane i holds (c(2j, i),
-// c(2j + 1, i)) in its low and high 16 bits, the order vdpbf16ps pairs them with a row's (x_2j, x_2j+1).
-template <bool Q4>
-inline __m512i code_pairs(const int8_t* codes, int64_t j, __m512i table) {
-  if (Q4) {
-    // Nibble row j holds both: byte i = c(2j, i) | c(2j + 1, i) << 4. b | b << 12 puts the low nibble in
-    // the low word's bits 0-3 and the high one in the high word's; vpermw reads 5 index bits, so the low
-    // word's bit 4 (the high nibble's) is ignored by a table that repeats its 16 entries.
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
-    return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
-  }
-  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * 16));
-  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * 16));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(r0, r1)));  // columns 0-7
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(r0, r1)));  // columns 8-15
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // small integers: exact
-}
+using tokenmill_cpu::code_pairs;
 
 // out[r, 16 q + 0..cols) for R rows of x (bf16, ldx apart) against P adjacent panels (kb code bytes
 // apart); cols < 16 only in the last panel of the weight. xsum [R, K / 32] the rows' block sums (ldxs
@@ -164,9 +149,7 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
                                tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock + 16));
       xsum[r * nb + b] = _mm512_reduce_add_ps(s);
     }
-  alignas(64) uint16_t entries[32];
-  for (int i = 0; i < 32; ++i) entries[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
-  const __m512i table = _mm512_load_si512(entries);
+  const __m512i table = tokenmill_cpu::nibble_table();
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;  // code bytes per panel

@@ -1,0 +1,42 @@
+// Integer weight codes as bf16 operands: shared by the AVX-512 BF16 dot kernel (cpu_linear_bf16.cpp)
+// and the AMX tile kernel (cpu_linear_amx.cpp), which read the same code panels (cpu_linear.cpp's
+// layout: int8 [panels, K, 16] or nibbles uint8 [panels, K / 2, 16]).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include <c10/util/BFloat16.h>
+
+namespace tokenmill_cpu {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The 32-entry vpermw table code_pairs<true> looks nibbles up in: bf16 0..15, repeated.
+inline __m512i nibble_table() {
+  alignas(64) uint16_t entries[32];
+  for (int i = 0; i < 32; ++i) entries[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
+  return _mm512_load_si512(entries);
+}
+
+// The 32 codes of k = 2j, 2j + 1 for the panel's 16 columns as bf16 pairs: lane i holds (c(2j, i),
+// c(2j + 1, i)) in its low and high 16 bits, the order vdpbf16ps pairs them with a row's (x_2j, x_2j+1),
+// and the VNNI row layout of an AMX B tile.
+template <bool Q4>
+inline __m512i code_pairs(const int8_t* codes, int64_t j, __m512i table) {
+  if (Q4) {
+    // Nibble row j holds both: byte i = c(2j, i) | c(2j + 1, i) << 4. b | b << 12 puts the low nibble in
+    // the low word's bits 0-3 and the high one in the high word's; vpermw reads 5 index bits, so the low
+    // word's bit 4 (the high nibble's) is ignored by a table that repeats its 16 entries.
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
+  }
+  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * 16));
+  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * 16));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(r0, r1)));  // columns 0-7
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(r0, r1)));  // columns 8-15
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // small integers: exact
+}
+#endif
+
+}  // namespace tokenmill_cpu
