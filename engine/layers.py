@@ -89,6 +89,14 @@ BF16_CODES_MAX_ROWS = 3
 # BF16 EPYC, two runs each): 16 rows 36.0-39.8 vs 41.1-41.9 ms, 32 rows 57.4-59.4 vs 57.5-63.0, 64 rows
 # 110.8-118.4 vs 102.4-104.8, 128 rows 196-213 vs 157-169: past 32 rows oneDNN's register tiles win.
 BF16_DOT_MAX_ROWS = 32
+# ...and where the CPU has AMX-BF16, the codes' AMX tile kernel (cpu_linear_amx.cpp) takes batches of
+# AMX_MIN_ROWS up to AMX_CODES_MAX_ROWS rows; fewer rows stay on the dot kernel, more go to oneDNN. The
+# 30 layers' linears of the bundled model (a throwaway loop, 2 threads, 2-vCPU Xeon with AMX, the same
+# process alternating; docs/benchmarks.md), dot / AMX / oneDNN in ms: 1 row 7.4 / 9.5 / 17.0, 3 rows
+# 8.5 / 9.3 / 16.1, 4 rows 10.1 / 9.9 / 17.0, 16 rows 23.8 / 9.1 / 17.6, 64 rows 81 / 20.7 / 23.7,
+# 128 rows 163 / 34.7 / 27.6.
+AMX_MIN_ROWS = 4
+AMX_CODES_MAX_ROWS = 64
 
 
 @functools.cache
@@ -99,12 +107,24 @@ def bf16_dot_supported() -> bool:
 
 
 @functools.cache
+def amx_codes_supported() -> bool:
+    """Whether the AMX tile kernel on integer codes built and may run (a CPU with AMX-BF16, and Linux
+    granted this process the tile state). TOKENMILL_CODES_AMX=0 turns it off, for A/B runs."""
+    if os.environ.get("TOKENMILL_CODES_AMX", "1") == "0":
+        return False
+    ops = cpu_kernels.load()
+    return ops is not None and bf16_dot_supported() and ops.linear_codes_amx_supported()
+
+
+@functools.cache
 def bf16_codes_max_rows() -> int:
     """Rows up to which a bf16 model's linears run from their integer codes (the rest: oneDNN).
     TOKENMILL_BF16_CODES_ROWS overrides it, for A/B runs (read once per process)."""
     env = os.environ.get("TOKENMILL_BF16_CODES_ROWS")
     if env is not None:
         return int(env)
+    if amx_codes_supported():
+        return AMX_CODES_MAX_ROWS
     return BF16_DOT_MAX_ROWS if bf16_dot_supported() else BF16_CODES_MAX_ROWS
 
 
@@ -143,7 +163,7 @@ class CpuPackedWeight:
     ) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias, fp32), in x's dtype (or out_dtype: fp32 logits from bf16 x on the
         bf16 dot kernel): fp32, or bf16 on codes for up to CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded
-        once)."""
+        once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one."""
         # A decode step makes ~120 of these calls: 2-D inputs skip the reshape and view (each ~1 us).
         flat = x.dim() == 2
         rows = x if flat else x.reshape(-1, x.shape[-1])
@@ -152,7 +172,9 @@ class CpuPackedWeight:
         out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
         ops = cpu_kernels.load()
         if x.dtype == torch.bfloat16 and self.codes is not None and bf16_dot_supported():
-            ops.linear_codes_bf16(out, rows, self.codes, self.scales, self.mins, bias)
+            use_amx = rows.shape[0] >= AMX_MIN_ROWS and amx_codes_supported()
+            op = ops.linear_codes_amx if use_amx else ops.linear_codes_bf16
+            op(out, rows, self.codes, self.scales, self.mins, bias)
         elif rows.dtype != out.dtype:  # fp32 logits of bf16 rows without the dot kernel: widen x
             return self.linear(x.to(out.dtype), bias)
         elif self.codes is None:

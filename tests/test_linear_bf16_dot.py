@@ -1,20 +1,32 @@
-"""The bf16 dot kernel on integer codes (kernels/csrc/cpu_linear_bf16.cpp), for bf16 models on CPUs with
-AVX-512 BF16: the codes are the bf16 operands, sum_k x_k (d c_k + m) = d sum_k x_k c_k + m sum_k x_k per
-block of 32.
+"""The bf16 kernels on integer codes, for bf16 models: the AVX-512 BF16 dot kernel
+(kernels/csrc/cpu_linear_bf16.cpp) and the AMX tile kernel (cpu_linear_amx.cpp). Both take the codes as
+bf16 operands, sum_k x_k (d c_k + m) = d sum_k x_k c_k + m sum_k x_k per block of 32.
 
-Its products are exact and its sums fp32, so every output must lie within half a bf16 ulp of the exact
-product with the fp32 weights (their values, not their bf16 rounding) plus an fp32 summation bound.
+Their products are exact and their sums fp32, so every output must lie within half a bf16 ulp of the
+exact product with the fp32 weights (their values, not their bf16 rounding) plus an fp32 summation bound.
+Each test runs for every kernel this CPU has; the other is reported as skipped, not passed.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 from quantized_weights import quantized_weight
-from tokenmill.engine.layers import bf16_dot_supported, codes_weight, nibble_codes
+from tokenmill.engine.layers import amx_codes_supported, bf16_dot_supported, codes_weight, nibble_codes
 from tokenmill.kernels import cpu as cpu_kernels
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not bf16_dot_supported(), reason="needs AVX-512 BF16 and the C++ kernels")
+KERNELS = [
+    pytest.param("linear_codes_bf16", marks=pytest.mark.skipif(not bf16_dot_supported(),
+                                                               reason="needs AVX-512 BF16 and the C++ kernels")),
+    pytest.param("linear_codes_amx", marks=pytest.mark.skipif(not amx_codes_supported(),
+                                                              reason="needs AMX-BF16 and the C++ kernels")),
+]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """The op under test: out, x, codes, scales, mins, bias."""
+    return getattr(cpu_kernels.load(), request.param)
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -29,41 +41,42 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     assert (err <= bound).all(), f"max error {err.max().item():.3g} over bound {(err - bound).max().item():.3g}"
 
 
-# N 50: a ragged last panel; rows 1-19 cover every tile height (8-row tiles and the remainder);
-# K 96 and 576 (SmolLM2's hidden size).
+# N 50: a ragged last panel; rows 1-19 cover every tile height of the dot kernel (8-row tiles and the
+# remainder), 16-33 the AMX kernel's whole and padded groups of 16; K 96 (an odd number of 32-blocks) and
+# 576 (SmolLM2's hidden size).
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(50, 96), (64, 576)])
-def test_dot_kernel_is_the_exact_product_rounded(kind: str, n: int, k: int) -> None:
+def test_kernel_gives_the_exact_product_rounded(kernel, kind: str, n: int, k: int) -> None:
     w = quantized_weight(n, k, kind, seed=n + k)
     packed = codes_weight(w, nibbles=True)
     assert packed is not None and packed.codes.dtype == (torch.uint8 if kind == "q4_1" else torch.int8)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    ops = cpu_kernels.load()
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 7, 8, 9, 16, 19):
+    for rows in (1, 2, 3, 7, 8, 9, 16, 19, 32, 33):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         for b in (None, bias):
             for dtype in (torch.bfloat16, torch.float32):
                 out = torch.full((rows, n), float("nan"), dtype=dtype)
-                ops.linear_codes_bf16(out, x, packed.codes, packed.scales, packed.mins, b)
+                kernel(out, x, packed.codes, packed.scales, packed.mins, b)
                 _check(out, x, w, b)
 
 
-def test_rows_a_stride_apart_and_a_rows_result_does_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("rows", [11, 32])  # a padded group of 16 (AMX) and whole ones
+def test_rows_a_stride_apart_and_a_rows_result_does_not_depend_on_the_batch(kernel, rows: int) -> None:
     w = quantized_weight(40, 128, "q4_1", seed=3)
     packed = codes_weight(w)
-    ops = cpu_kernels.load()
-    wide = torch.randn(11, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    wide = torch.randn(rows, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x = wide[:, :128]  # rows 256 elements apart
-    out = torch.empty(11, 40, dtype=torch.bfloat16)
-    ops.linear_codes_bf16(out, x, packed.codes, packed.scales, packed.mins, None)
+    out = torch.empty(rows, 40, dtype=torch.bfloat16)
+    kernel(out, x, packed.codes, packed.scales, packed.mins, None)
     _check(out, x, w, None)
-    one = torch.empty(1, 40, dtype=torch.bfloat16)
-    ops.linear_codes_bf16(one, x[9:10].contiguous(), packed.codes, packed.scales, packed.mins, None)
-    assert torch.equal(one[0], out[9])
+    for r in (0, 9, rows - 1):  # the row repeated 4 times: the same sums as among the others
+        one = torch.empty(4, 40, dtype=torch.bfloat16)
+        kernel(one, x[[r] * 4].contiguous(), packed.codes, packed.scales, packed.mins, None)
+        assert torch.equal(one[0], out[r]) and torch.equal(one[3], out[r])
 
 
-def test_int8_and_nibble_codes_give_the_same_results() -> None:
+def test_int8_and_nibble_codes_give_the_same_results(kernel) -> None:
     w = quantized_weight(48, 192, "q4_1", seed=4)
     nib, byte = codes_weight(w, nibbles=True), codes_weight(w, nibbles=False)
     assert torch.equal(nib.codes, nibble_codes(byte.codes))
@@ -71,20 +84,19 @@ def test_int8_and_nibble_codes_give_the_same_results() -> None:
     outs = []
     for p in (nib, byte):
         out = torch.empty(5, 48, dtype=torch.float32)
-        cpu_kernels.load().linear_codes_bf16(out, x, p.codes, p.scales, p.mins, None)
+        kernel(out, x, p.codes, p.scales, p.mins, None)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
 
-def test_wrong_arguments_are_refused_with_what_was_expected() -> None:
+def test_wrong_arguments_are_refused_with_what_was_expected(kernel) -> None:
     packed = codes_weight(quantized_weight(32, 64, "q4_1", seed=5))
-    ops = cpu_kernels.load()
     x = torch.randn(2, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="x must be 2-D bfloat16"):
-        ops.linear_codes_bf16(torch.empty(2, 32), x.float(), packed.codes, packed.scales, packed.mins, None)
+        kernel(torch.empty(2, 32), x.float(), packed.codes, packed.scales, packed.mins, None)
     with pytest.raises(RuntimeError, match="out must be 2-D bfloat16 or float32"):
-        ops.linear_codes_bf16(torch.empty(2, 32, dtype=torch.float16), x, packed.codes, packed.scales, packed.mins, None)
+        kernel(torch.empty(2, 32, dtype=torch.float16), x, packed.codes, packed.scales, packed.mins, None)
     with pytest.raises(RuntimeError, match="out has 40 columns, the codes 2 panels of 16"):
-        ops.linear_codes_bf16(torch.empty(2, 40), x, packed.codes, packed.scales, packed.mins, None)
+        kernel(torch.empty(2, 40), x, packed.codes, packed.scales, packed.mins, None)
     with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[32\]"):
-        ops.linear_codes_bf16(torch.empty(2, 32), x, packed.codes, packed.scales, packed.mins, torch.zeros(31))
+        kernel(torch.empty(2, 32), x, packed.codes, packed.scales, packed.mins, torch.zeros(31))

@@ -1,0 +1,224 @@
+// bf16 linear layers (y = x W^T + b, x bf16) on the integer-code weights with AMX tiles, for CPUs with
+// AMX-BF16.
+//
+// Why: the same arithmetic as cpu_linear_bf16.cpp (per block of 32 k and column, d * sum(x c) + m * sum(x),
+// the codes exact bf16 operands), but each block's products for 16 rows x 16 columns come from one
+// TDPBF16PS instead of 16 rows x 16 vdpbf16ps. Past a few rows the vector kernel is bound by its dot
+// products and oneDNN's AMX path by reading 2 bytes per weight; this one reads the codes (0.5 or 1 byte
+// plus 8 bytes of scale and min per 32) and leaves the products to the tile unit.
+//
+// Per panel of 16 columns and block of 32 k: the 16 code-pair rows (code_pairs, already the VNNI layout
+// of a B tile) go to a 1 KB buffer and into tile 1; each group of 16 rows of x is tile 0; tile 2 takes
+// their block product, which is read back and scaled into fp32 running sums (the scale is per block, so
+// the tile cannot carry the sum across blocks).
+//
+// Numerics: fp32 sums of exact products (AMX flushes bf16 denormals in x to zero: |x| < 1.2e-38), grouped
+// by block as in the vector kernel; the order within a block is the tile unit's.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <torch/library.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_codes_bf16.h"
+#include "cpu_common.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16;      // output columns per panel (cpu_linear.cpp's layout)
+constexpr int64_t kCodeBlock = 32;  // k per scale/min pair: one B tile's depth in bf16 pairs
+constexpr int64_t kGroup = 16;      // rows of x per A tile
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENMILL_AMX 1
+
+// Linux hands out the 8 KB of tile state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once per process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: A = 16 rows of x by 32 k (bf16), B = 16 k pairs by 16 columns (bf16
+// pairs), C = 16 rows by 16 columns (fp32). Two of each (tiles 0-2 and 3-5): two blocks in flight.
+TileConfig tile_config() {
+  TileConfig c;
+  for (int t = 0; t < 6; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = kGroup;
+  }
+  return c;
+}
+
+// acc[r] += d * C[r] + m * xsum[r] for the 16 rows of a group (rows past M are padding, never stored).
+inline void scale_block(__m512 (&acc)[kGroup], const float* cbuf, __m512 d, __m512 mn, const float* xs, int64_t nb) {
+#pragma GCC unroll 16
+  for (int r = 0; r < kGroup; ++r)
+    acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r * nb]), _mm512_fmadd_ps(_mm512_load_ps(cbuf + r * kPanel), d, acc[r]));
+}
+
+// Panels [begin, end) of the output for all M rows. xp: x padded to whole groups of 16 rows (lda apart);
+// xsum [groups * 16, nb], zero in the padding rows.
+template <bool Q4, typename TOut>
+void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, int64_t lda, const float* xsum,
+                int64_t nb, const int8_t* codes, int64_t kb, const float* scales, const float* mins, int64_t n,
+                const float* bias, TOut* out, int64_t ldo) {
+  const TileConfig cfg = tile_config();
+  _tile_loadconfig(&cfg);
+  const __m512i table = tokenmill_cpu::nibble_table();
+  const int64_t groups = (m + kGroup - 1) / kGroup, sb = nb * kPanel, ldb = lda * sizeof(c10::BFloat16);
+  // The panel's B tiles, one per block (1 KB each; 48 KB for K = 1536): built once, read by every group.
+  std::vector<__m512i> btiles(nb * kCodeBlock / 2);
+  alignas(64) float cbuf[2][kGroup * kPanel];
+  for (int64_t p = begin; p < end; ++p) {
+    const int8_t* cp = codes + p * kb;
+    // One group: each block's tile is built just before its product (still in L1); more: all up front.
+    const bool lazy = groups == 1;
+    auto build = [&](int64_t b0, int64_t b1) {
+      for (int64_t j = b0 * kCodeBlock / 2; j < b1 * kCodeBlock / 2; ++j)
+        btiles[j] = tokenmill_cpu::code_pairs<Q4>(cp, j, table);
+    };
+    if (!lazy) build(0, nb);
+    const float* ps = scales + p * sb;
+    const float* pm = mins + p * sb;
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), bias + p * kPanel);
+    for (int64_t g = 0; g < groups; ++g) {
+      const c10::BFloat16* a = xp + g * kGroup * lda;
+      const float* xs = xsum + g * kGroup * nb;
+      __m512 acc[kGroup];
+#pragma GCC unroll 16
+      for (int r = 0; r < kGroup; ++r) acc[r] = _mm512_setzero_ps();
+      int64_t b = 0;
+      for (; b + 1 < nb; b += 2) {  // the second block's product runs while the first is read back
+        if (lazy) build(b, b + 2);
+        _tile_loadd(0, a + b * kCodeBlock, ldb);
+        _tile_loadd(1, &btiles[b * kCodeBlock / 2], 64);
+        _tile_zero(2);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(3, a + (b + 1) * kCodeBlock, ldb);
+        _tile_loadd(4, &btiles[(b + 1) * kCodeBlock / 2], 64);
+        _tile_zero(5);
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(2, cbuf[0], 64);
+        _tile_stored(5, cbuf[1], 64);
+        scale_block(acc, cbuf[0], _mm512_loadu_ps(ps + b * kPanel), _mm512_loadu_ps(pm + b * kPanel), xs + b, nb);
+        scale_block(acc, cbuf[1], _mm512_loadu_ps(ps + (b + 1) * kPanel), _mm512_loadu_ps(pm + (b + 1) * kPanel),
+                    xs + b + 1, nb);
+      }
+      if (b < nb) {
+        if (lazy) build(b, b + 1);
+        _tile_loadd(0, a + b * kCodeBlock, ldb);
+        _tile_loadd(1, &btiles[b * kCodeBlock / 2], 64);
+        _tile_zero(2);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_stored(2, cbuf[0], 64);
+        scale_block(acc, cbuf[0], _mm512_loadu_ps(ps + b * kPanel), _mm512_loadu_ps(pm + b * kPanel), xs + b, nb);
+      }
+      const int64_t rows = std::min(kGroup, m - g * kGroup);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 y = _mm512_add_ps(acc[r], bv);
+        TOut* o = out + (g * kGroup + r) * ldo + p * kPanel;
+        if (cols == kPanel) {
+          tokenmill_cpu::store16(o, y);
+        } else {
+          alignas(64) TOut tmp[kPanel];
+          tokenmill_cpu::store16(tmp, y);
+          std::copy(tmp, tmp + cols, o);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+bool linear_codes_amx_supported() {
+#if defined(TOKENMILL_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// out [M, N] (bf16, or fp32 for logits) = x [M, K] (bf16) @ W^T (+ bias, fp32), W as integer codes in
+// linear_codes_bf16's layout. Same contract as linear_codes_bf16; another order of the fp32 sums.
+void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(linear_codes_amx_supported(), "linear_codes_amx: this CPU, build or kernel gives no AMX-BF16 tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "linear_codes_amx: x must be 2-D bfloat16 with contiguous rows");
+  const int64_t k = x.size(1);
+  tokenmill_cpu::check_codes("linear_codes_amx", codes, scales, mins, k, true);
+  const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
+  const float* bp = tokenmill_cpu::check_linear_args("linear_codes_amx", out, x, panels, "the codes", bias, true, true);
+#if defined(TOKENMILL_AMX)
+  if (m == 0) return;
+  const int64_t nb = k / kCodeBlock, ldx = x.stride(0), ldo = out.stride(0);
+  const int64_t mp16 = (m + kGroup - 1) / kGroup * kGroup;
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  // A tile load reads 16 rows: a batch that is not whole groups is copied into zero-padded rows.
+  std::vector<c10::BFloat16> padded;
+  const c10::BFloat16* xa = xp;
+  int64_t lda = ldx;
+  if (mp16 != m) {
+    padded.assign(mp16 * k, c10::BFloat16(0.0f));
+    for (int64_t r = 0; r < m; ++r) std::memcpy(&padded[r * k], xp + r * ldx, k * sizeof(c10::BFloat16));
+    xa = padded.data();
+    lda = k;
+  }
+  std::vector<float> xsum(mp16 * nb, 0.0f);  // each row's sum of x per block of 32 k, for every min term
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 s = _mm512_add_ps(tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock),
+                               tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock + 16));
+      xsum[r * nb + b] = _mm512_reduce_add_ps(s);
+    }
+  const bool q4 = codes.scalar_type() == at::kByte;
+  const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
+  const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;  // code bytes per panel
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  auto run = [&](auto* op) {
+    using TOut = std::remove_pointer_t<decltype(op)>;
+    // Threads split the panels: each code byte is read once, and each thread configures its own tiles.
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      (q4 ? panels_amx<true, TOut> : panels_amx<false, TOut>)(begin, end, m, xa, lda, xsum.data(), nb, cp, kb, sp,
+                                                              mp, n, bp, op, ldo);
+    });
+  };
+  if (out.scalar_type() == at::kFloat)
+    run(out.data_ptr<float>());
+  else
+    run(out.data_ptr<c10::BFloat16>());
+#else
+  (void)bp;
+  (void)m;
+  (void)n;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("linear_codes_amx_supported() -> bool", &linear_codes_amx_supported);
+  m.def("linear_codes_amx(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> ()");
+  m.impl("linear_codes_amx", c10::DispatchKey::CPU, &linear_codes_amx);
+}
