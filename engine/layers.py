@@ -155,7 +155,7 @@ class CpuPackedWeight:
     out_features: int
     fp32: torch.Tensor | None = None  # [panels, in, 16]
     codes: torch.Tensor | None = None  # int8 [panels, in, 16], or uint8 nibbles [panels, in / 2, 16]
-    scales: torch.Tensor | None = None  # [panels, in / 32, 16]
+    scales: torch.Tensor | None = None  # [panels, in / 32, 16]: fp32, or fp16 for the bf16 kernels
     mins: torch.Tensor | None = None
 
     def linear(
@@ -230,6 +230,18 @@ def codes_weight(weight: torch.Tensor, nibbles: bool = True) -> CpuPackedWeight 
     return CpuPackedWeight(weight.shape[0], codes=codes, scales=to_panels(found.scales), mins=to_panels(found.mins))
 
 
+def bf16_codes_weight(weight: torch.Tensor, nibbles: bool = True) -> CpuPackedWeight | None:
+    """codes_weight for a model cast to bf16 next. Where its rows run on the bf16 kernels (AVX-512 BF16:
+    dot and AMX), the scales and mins are kept as fp16 when every one is an fp16 value, as GGUF stores
+    them: 0.625 bytes per Q4 weight instead of 0.75, the same results bit for bit."""
+    packed = codes_weight(weight, nibbles)
+    if packed is not None and bf16_dot_supported():
+        scales, mins = packed.scales.half(), packed.mins.half()
+        if torch.equal(scales.float(), packed.scales) and torch.equal(mins.float(), packed.mins):
+            packed.scales, packed.mins = scales, mins
+    return packed
+
+
 def pack_cpu_weight(weight: torch.Tensor, blocks: bool | None = None, nibbles: bool = True) -> CpuPackedWeight:
     """Pack an fp32 weight [out, in] for the fp32 CPU kernel: as integer blocks when they rebuild it
     exactly (and `blocks`, by default unless TOKENMILL_CPU_LINEAR=fp32), else as fp32 panels."""
@@ -266,7 +278,7 @@ class Linear(nn.Linear):
     def attach_codes(self) -> None:
         """Keep the integer-code form of this fp32 weight, if it has one, for a model cast to bf16 next
         (with the fp32 bias the kernel adds)."""
-        self.packed_cpu = codes_weight(self.weight)
+        self.packed_cpu = bf16_codes_weight(self.weight)
         self.bias_fp32 = None if self.bias is None else self.bias.detach().float().clone()
 
     def pack_cpu(self, blocks: bool | None = None, keep_fp32: bool = False) -> None:

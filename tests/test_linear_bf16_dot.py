@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from quantized_weights import quantized_weight
-from tokenmill.engine.layers import amx_codes_supported, bf16_dot_supported, codes_weight, nibble_codes
+from tokenmill.engine.layers import (
+    amx_codes_supported,
+    bf16_codes_weight,
+    bf16_dot_supported,
+    codes_weight,
+    nibble_codes,
+)
 from tokenmill.kernels import cpu as cpu_kernels
 
 CPU = torch.device("cpu")
@@ -89,6 +95,32 @@ def test_int8_and_nibble_codes_give_the_same_results(kernel) -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+def test_fp16_scales_and_mins_give_the_same_bits(kernel) -> None:
+    # GGUF's Q4_1 blocks as llama.cpp's quantizer writes them: the block's smallest weight is code 0, so
+    # its min is the fp16 m itself (a block without a 0 code has min d c0 + m, seldom an fp16 value).
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(0, 16, (48, 6, 32), generator=g).double()
+    q[..., 0] = 0
+    d = (torch.rand(48, 6, 1, generator=g) * 0.02 + 1e-3).half().double()
+    m = (-torch.rand(48, 6, 1, generator=g) * 0.1).half().double()
+    w = (d * q + m).float().reshape(48, 192)
+    wide, narrow = codes_weight(w), bf16_codes_weight(w)
+    assert wide.scales.dtype == torch.float32 and narrow.scales.dtype == narrow.mins.dtype == torch.float16
+    assert narrow.nbytes < wide.nbytes
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, 192, generator=g).to(torch.bfloat16)
+        outs = []
+        for p in (wide, narrow):
+            out = torch.empty(rows, 48, dtype=torch.float32)
+            kernel(out, x, p.codes, p.scales, p.mins, None)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+    # One block whose min is no fp16 value (still exact integer blocks): the whole weight keeps fp32.
+    m[0, 0] += 2.0**-20
+    odd = bf16_codes_weight((d * q + m).float().reshape(48, 192))
+    assert odd is not None and odd.scales.dtype == odd.mins.dtype == torch.float32
+
+
 def test_wrong_arguments_are_refused_with_what_was_expected(kernel) -> None:
     packed = codes_weight(quantized_weight(32, 64, "q4_1", seed=5))
     x = torch.randn(2, 64).to(torch.bfloat16)
@@ -100,3 +132,5 @@ def test_wrong_arguments_are_refused_with_what_was_expected(kernel) -> None:
         kernel(torch.empty(2, 40), x, packed.codes, packed.scales, packed.mins, None)
     with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[32\]"):
         kernel(torch.empty(2, 32), x, packed.codes, packed.scales, packed.mins, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="scales and mins are both float32 or both float16"):
+        kernel(torch.empty(2, 32), x, packed.codes, packed.scales.half(), packed.mins, None)

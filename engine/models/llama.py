@@ -23,7 +23,7 @@ from tokenmill.engine.layers import (
     Rope,
     RotaryEmbedding,
     bf16_codes_max_rows,
-    codes_weight,
+    bf16_codes_weight,
     pack_cpu_weight,
     packed_linear,
     prepack_weight,
@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
                 module.attach_codes()
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head_packed_cpu = codes_weight(weight, nibbles=self.lm_head is not None)
+            self.lm_head_packed_cpu = bf16_codes_weight(weight, nibbles=self.lm_head is not None)
 
     def pack_linears_cpu(self, blocks: bool | None = None) -> None:
         """Give every projection and the LM head the fp32 CPU kernel's packed weights. Weights found as

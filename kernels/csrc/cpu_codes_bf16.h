@@ -7,7 +7,9 @@
 
 #include <cstdint>
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 namespace tokenmill_cpu {
 
@@ -38,5 +40,21 @@ inline __m512i code_pairs(const int8_t* codes, int64_t j, __m512i table) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // small integers: exact
 }
 #endif
+
+// run(out pointer, scales pointer, mins pointer) with out bf16 or fp32 and the scales and mins fp32 or
+// fp16 (check_codes has checked that both have the same dtype): the kernels' four instantiations.
+template <typename F>
+void dispatch_codes_out(at::Tensor& out, const at::Tensor& scales, const at::Tensor& mins, F&& run) {
+  auto with_out = [&](auto* sp, auto* mp) {
+    if (out.scalar_type() == at::kFloat)
+      run(out.data_ptr<float>(), sp, mp);
+    else
+      run(out.data_ptr<c10::BFloat16>(), sp, mp);
+  };
+  if (scales.scalar_type() == at::kHalf)
+    with_out(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+  else
+    with_out(scales.data_ptr<float>(), mins.data_ptr<float>());
+}
 
 }  // namespace tokenmill_cpu

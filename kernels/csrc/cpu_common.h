@@ -211,9 +211,9 @@ inline bool linear_kernels_built() {
 }
 
 // Integer codes int8 [panels, K, 16] (K = k unless k < 0), or where nibbles_ok nibble codes uint8
-// [panels, K / 2, 16], with scales and mins float32 [panels, K / 32, 16].
+// [panels, K / 2, 16], with scales and mins float32 [panels, K / 32, 16] (or both float16 where half_ok).
 inline void check_codes(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                        int64_t k, bool nibbles_ok = false) {
+                        int64_t k, bool nibbles_ok = false, bool half_ok = false) {
   const bool q4 = nibbles_ok && codes.scalar_type() == at::kByte;
   const int64_t per_row = q4 ? 2 : 1;  // codes per byte
   TORCH_CHECK(codes.device().is_cpu() && (q4 || codes.scalar_type() == at::kChar) && codes.dim() == 3 &&
@@ -223,10 +223,12 @@ inline void check_codes(const char* op, const at::Tensor& codes, const at::Tenso
               codes.sizes());
   const int64_t kk = codes.size(1) * per_row, panels = codes.size(0);
   TORCH_CHECK(kk % 32 == 0, op, ": K=", kk, " is not a multiple of ", 32);
+  const bool half = half_ok && scales.scalar_type() == at::kHalf;
   for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == panels && t->size(1) == kk / 32 && t->size(2) == 16,
-                op, ": scales and mins are float32 [", panels, ", ", kk / 32, ", 16], got ", t->sizes());
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() &&
+                    t->dim() == 3 && t->size(0) == panels && t->size(1) == kk / 32 && t->size(2) == 16,
+                op, ": scales and mins are ", half_ok ? "both float32 or both float16" : "float32", " [", panels, ", ",
+                kk / 32, ", 16], got ", t->sizes(), " ", t->scalar_type());
 }
 
 // x and out as the kernels read and write them (float32, or both bfloat16 where bf16_ok; a bfloat16 x may

@@ -66,18 +66,23 @@ TileConfig tile_config() {
   return c;
 }
 
-// acc[r] += d * C[r] + m * xsum[r] for the 16 rows of a group (rows past M are padding, never stored).
-inline void scale_block(__m512 (&acc)[kGroup], const float* cbuf, __m512 d, __m512 mn, const float* xs, int64_t nb) {
+// acc[r] += d * C[r] + m * xsum[r] for the group's first `live` rows (the rest are padding, never stored;
+// unrolled, so acc stays in registers and the test is a predictable branch).
+inline void scale_block(__m512 (&acc)[kGroup], const float* cbuf, __m512 d, __m512 mn, const float* xs, int64_t nb,
+                        int64_t live) {
 #pragma GCC unroll 16
-  for (int r = 0; r < kGroup; ++r)
-    acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r * nb]), _mm512_fmadd_ps(_mm512_load_ps(cbuf + r * kPanel), d, acc[r]));
+  for (int r = 0; r < kGroup; ++r) {
+    if (r >= live) break;
+    const __m512 s = _mm512_fmadd_ps(_mm512_load_ps(cbuf + r * kPanel), d, acc[r]);
+    acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r * nb]), s);
+  }
 }
 
 // Panels [begin, end) of the output for all M rows. xp: x padded to whole groups of 16 rows (lda apart);
 // xsum [groups * 16, nb], zero in the padding rows.
-template <bool Q4, typename TOut>
+template <bool Q4, typename TOut, typename S>
 void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, int64_t lda, const float* xsum,
-                int64_t nb, const int8_t* codes, int64_t kb, const float* scales, const float* mins, int64_t n,
+                int64_t nb, const int8_t* codes, int64_t kb, const S* scales, const S* mins, int64_t n,
                 const float* bias, TOut* out, int64_t ldo) {
   const TileConfig cfg = tile_config();
   _tile_loadconfig(&cfg);
@@ -95,8 +100,8 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
         btiles[j] = tokenmill_cpu::code_pairs<Q4>(cp, j, table);
     };
     if (!lazy) build(0, nb);
-    const float* ps = scales + p * sb;
-    const float* pm = mins + p * sb;
+    const S* ps = scales + p * sb;
+    const S* pm = mins + p * sb;
     const int64_t cols = std::min(kPanel, n - p * kPanel);
     __m512 bv = _mm512_setzero_ps();
     if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), bias + p * kPanel);
@@ -106,6 +111,11 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
       __m512 acc[kGroup];
 #pragma GCC unroll 16
       for (int r = 0; r < kGroup; ++r) acc[r] = _mm512_setzero_ps();
+      const int64_t rows = std::min(kGroup, m - g * kGroup);
+      auto scale = [&](int64_t b, const float* c) {
+        scale_block(acc, c, tokenmill_cpu::load16(ps + b * kPanel), tokenmill_cpu::load16(pm + b * kPanel), xs + b, nb,
+                    rows);
+      };
       int64_t b = 0;
       for (; b + 1 < nb; b += 2) {  // the second block's product runs while the first is read back
         if (lazy) build(b, b + 2);
@@ -119,9 +129,8 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
         _tile_dpbf16ps(5, 3, 4);
         _tile_stored(2, cbuf[0], 64);
         _tile_stored(5, cbuf[1], 64);
-        scale_block(acc, cbuf[0], _mm512_loadu_ps(ps + b * kPanel), _mm512_loadu_ps(pm + b * kPanel), xs + b, nb);
-        scale_block(acc, cbuf[1], _mm512_loadu_ps(ps + (b + 1) * kPanel), _mm512_loadu_ps(pm + (b + 1) * kPanel),
-                    xs + b + 1, nb);
+        scale(b, cbuf[0]);
+        scale(b + 1, cbuf[1]);
       }
       if (b < nb) {
         if (lazy) build(b, b + 1);
@@ -130,9 +139,8 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
         _tile_zero(2);
         _tile_dpbf16ps(2, 0, 1);
         _tile_stored(2, cbuf[0], 64);
-        scale_block(acc, cbuf[0], _mm512_loadu_ps(ps + b * kPanel), _mm512_loadu_ps(pm + b * kPanel), xs + b, nb);
+        scale(b, cbuf[0]);
       }
-      const int64_t rows = std::min(kGroup, m - g * kGroup);
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 y = _mm512_add_ps(acc[r], bv);
         TOut* o = out + (g * kGroup + r) * ldo + p * kPanel;
@@ -166,7 +174,7 @@ void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "linear_codes_amx: x must be 2-D bfloat16 with contiguous rows");
   const int64_t k = x.size(1);
-  tokenmill_cpu::check_codes("linear_codes_amx", codes, scales, mins, k, true);
+  tokenmill_cpu::check_codes("linear_codes_amx", codes, scales, mins, k, true, true);
   const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
   const float* bp = tokenmill_cpu::check_linear_args("linear_codes_amx", out, x, panels, "the codes", bias, true, true);
 #if defined(TOKENMILL_AMX)
@@ -194,20 +202,16 @@ void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;  // code bytes per panel
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
-  auto run = [&](auto* op) {
+  auto run = [&](auto* op, const auto* sp, const auto* mp) {
     using TOut = std::remove_pointer_t<decltype(op)>;
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     // Threads split the panels: each code byte is read once, and each thread configures its own tiles.
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      (q4 ? panels_amx<true, TOut> : panels_amx<false, TOut>)(begin, end, m, xa, lda, xsum.data(), nb, cp, kb, sp,
-                                                              mp, n, bp, op, ldo);
+      (q4 ? panels_amx<true, TOut, S> : panels_amx<false, TOut, S>)(begin, end, m, xa, lda, xsum.data(), nb, cp, kb,
+                                                                    sp, mp, n, bp, op, ldo);
     });
   };
-  if (out.scalar_type() == at::kFloat)
-    run(out.data_ptr<float>());
-  else
-    run(out.data_ptr<c10::BFloat16>());
+  tokenmill_cpu::dispatch_codes_out(out, scales, mins, run);
 #else
   (void)bp;
   (void)m;

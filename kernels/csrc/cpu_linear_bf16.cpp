@@ -42,9 +42,9 @@ using tokenmill_cpu::code_pairs;
 // apart); cols < 16 only in the last panel of the weight. xsum [R, K / 32] the rows' block sums (ldxs
 // apart). Each broadcast of a row's x pair feeds P dot products; the block sums live in registers and
 // the running sums in an L1 array (one load and store per block, against 16 dot products).
-template <int R, int P, bool Q4, typename TOut>
+template <int R, int P, bool Q4, typename TOut, typename S>
 inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t ldxs, const int8_t* codes,
-                     int64_t kb, const float* scales, const float* mins, int64_t sb, int64_t k, __m512i table,
+                     int64_t kb, const S* scales, const S* mins, int64_t sb, int64_t k, __m512i table,
                      TOut* out, int64_t ldo, int64_t cols, const float* bias) {
   alignas(64) float acc[R][P][kPanel] = {};
   const int32_t* xw = reinterpret_cast<const int32_t*>(x);  // a row's k pairs as 32-bit words
@@ -68,7 +68,8 @@ inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const float* xsum, int
     }
 #pragma GCC unroll 4
     for (int q = 0; q < P; ++q) {
-      const __m512 d = _mm512_loadu_ps(scales + q * sb + b * kPanel), mn = _mm512_loadu_ps(mins + q * sb + b * kPanel);
+      const __m512 d = tokenmill_cpu::load16(scales + q * sb + b * kPanel);
+      const __m512 mn = tokenmill_cpu::load16(mins + q * sb + b * kPanel);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_fmadd_ps(blk[r][q], d, _mm512_load_ps(acc[r][q]));
@@ -96,12 +97,12 @@ inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const float* xsum, int
   }
 }
 
-template <int P, bool Q4, typename TOut>
+template <int P, bool Q4, typename TOut, typename S>
 void rows_tile_dot(int64_t rows, const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t ldxs,
-                   const int8_t* codes, int64_t kb, const float* scales, const float* mins, int64_t sb, int64_t k,
+                   const int8_t* codes, int64_t kb, const S* scales, const S* mins, int64_t sb, int64_t k,
                    __m512i table, TOut* out, int64_t ldo, int64_t cols, const float* bias) {
 #define TOKENMILL_TILE(R) \
-  tile_dot<R, P, Q4, TOut>(x, ldx, xsum, ldxs, codes, kb, scales, mins, sb, k, table, out, ldo, cols, bias); break
+  tile_dot<R, P, Q4, TOut, S>(x, ldx, xsum, ldxs, codes, kb, scales, mins, sb, k, table, out, ldo, cols, bias); break
   switch (rows) {
     case 1: TOKENMILL_TILE(1);
     case 2: TOKENMILL_TILE(2);
@@ -134,7 +135,7 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
                   x.stride(0) % 2 == 0,
               "linear_codes_bf16: x must be 2-D bfloat16 with contiguous rows an even number of elements apart");
   const int64_t k = x.size(1);
-  tokenmill_cpu::check_codes("linear_codes_bf16", codes, scales, mins, k, true);
+  tokenmill_cpu::check_codes("linear_codes_bf16", codes, scales, mins, k, true, true);
   const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
   const float* bp =
       tokenmill_cpu::check_linear_args("linear_codes_bf16", out, x, panels, "the codes", bias, true, true);
@@ -153,10 +154,9 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;  // code bytes per panel
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
-  auto run = [&](auto* op) {
+  auto run = [&](auto* op, const auto* sp, const auto* mp) {
     using TOut = std::remove_pointer_t<decltype(op)>;
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     // Threads split pairs of panels, so each code byte is read by one thread; the pair's codes (at most
     // 9 KB for K = 576) stay in L1 while every row tile passes over them.
     const int64_t pairs = (panels + kPanels - 1) / kPanels, sb = nb * kPanel;
@@ -167,18 +167,16 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
         const float* pb = bp != nullptr ? bp + p * kPanel : nullptr;
         for (int64_t r = 0; r < m; r += kTileRows) {
           const int64_t rows = std::min(kTileRows, m - r);
-          auto* tile = np == kPanels ? (q4 ? rows_tile_dot<kPanels, true, TOut> : rows_tile_dot<kPanels, false, TOut>)
-                                     : (q4 ? rows_tile_dot<1, true, TOut> : rows_tile_dot<1, false, TOut>);
+          auto* tile = np == kPanels
+                           ? (q4 ? rows_tile_dot<kPanels, true, TOut, S> : rows_tile_dot<kPanels, false, TOut, S>)
+                           : (q4 ? rows_tile_dot<1, true, TOut, S> : rows_tile_dot<1, false, TOut, S>);
           tile(rows, xp + r * ldx, ldx, xsum.data() + r * nb, nb, cp + p * kb, kb, sp + p * sb, mp + p * sb, sb, k,
                table, op + r * ldo + p * kPanel, ldo, std::min(cols, kPanel), pb);
         }
       }
     });
   };
-  if (out.scalar_type() == at::kFloat)
-    run(out.data_ptr<float>());
-  else
-    run(out.data_ptr<c10::BFloat16>());
+  tokenmill_cpu::dispatch_codes_out(out, scales, mins, run);
 #else
   (void)bp;
   (void)m;
