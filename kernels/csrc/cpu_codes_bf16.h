@@ -5,11 +5,15 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#include "cpu_common.h"
 
 namespace tokenmill_cpu {
 
@@ -38,6 +42,30 @@ inline __m512i code_pairs(const int8_t* codes, int64_t j, __m512i table) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(r0, r1)));  // columns 0-7
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(r0, r1)));  // columns 8-15
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // small integers: exact
+}
+
+// Each row's sum of x per block of 32 k ([rows, nb], rows >= m; the rows past m are 0), shared by every
+// column's min term: m * sum(x) per block.
+inline std::vector<float> block_sums(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t nb, int64_t rows) {
+  std::vector<float> sums(rows * nb, 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const c10::BFloat16* xb = x + r * ldx + 32 * b;
+      sums[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(load16(xb), load16(xb + 16)));
+    }
+  return sums;
+}
+
+// 16 outputs to o, or their first `cols` (the weight's last panel may be ragged).
+template <typename TOut>
+inline void store_cols(TOut* o, __m512 y, int64_t cols) {
+  if (cols == 16) {
+    store16(o, y);
+  } else {
+    alignas(64) TOut tmp[16];
+    store16(tmp, y);
+    std::copy(tmp, tmp + cols, o);
+  }
 }
 #endif
 

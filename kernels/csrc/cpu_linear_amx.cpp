@@ -143,14 +143,7 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
       }
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 y = _mm512_add_ps(acc[r], bv);
-        TOut* o = out + (g * kGroup + r) * ldo + p * kPanel;
-        if (cols == kPanel) {
-          tokenmill_cpu::store16(o, y);
-        } else {
-          alignas(64) TOut tmp[kPanel];
-          tokenmill_cpu::store16(tmp, y);
-          std::copy(tmp, tmp + cols, o);
-        }
+        tokenmill_cpu::store_cols(out + (g * kGroup + r) * ldo + p * kPanel, y, cols);
       }
     }
   }
@@ -192,13 +185,7 @@ void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
     xa = padded.data();
     lda = k;
   }
-  std::vector<float> xsum(mp16 * nb, 0.0f);  // each row's sum of x per block of 32 k, for every min term
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512 s = _mm512_add_ps(tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock),
-                               tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock + 16));
-      xsum[r * nb + b] = _mm512_reduce_add_ps(s);
-    }
+  const std::vector<float> xsum = tokenmill_cpu::block_sums(xp, ldx, m, nb, mp16);
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;  // code bytes per panel

@@ -85,14 +85,7 @@ inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const float* xsum, int
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 y = _mm512_add_ps(_mm512_load_ps(acc[r][q]), bv);
-      TOut* o = out + r * ldo + q * kPanel;
-      if (c == kPanel) {
-        tokenmill_cpu::store16(o, y);
-      } else {
-        alignas(64) TOut tmp[kPanel];
-        tokenmill_cpu::store16(tmp, y);
-        std::copy(tmp, tmp + c, o);
-      }
+      tokenmill_cpu::store_cols(out + r * ldo + q * kPanel, y, c);
     }
   }
 }
@@ -142,14 +135,7 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
 #if defined(TOKENMILL_BF16_DOT)
   const int64_t nb = k / kCodeBlock, ldx = x.stride(0), ldo = out.stride(0);
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  // Each row's sum of x per block of 32 k, shared by every column's min term.
-  std::vector<float> xsum(m * nb);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512 s = _mm512_add_ps(tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock),
-                               tokenmill_cpu::load16(xp + r * ldx + b * kCodeBlock + 16));
-      xsum[r * nb + b] = _mm512_reduce_add_ps(s);
-    }
+  const std::vector<float> xsum = tokenmill_cpu::block_sums(xp, ldx, m, nb, m);
   const __m512i table = tokenmill_cpu::nibble_table();
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
