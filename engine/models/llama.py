@@ -22,8 +22,8 @@ from tokenmill.engine.layers import (
     RMSNorm,
     Rope,
     RotaryEmbedding,
-    bf16_codes_max_rows,
     bf16_codes_weight,
+    bf16_logits_max_rows,
     pack_cpu_weight,
     packed_linear,
     prepack_weight,
@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.lm_head_packed_cpu
-        codes_rows = CPU_PACKED_MAX_ROWS if hidden.dtype == torch.float32 else bf16_codes_max_rows()
+        codes_rows = CPU_PACKED_MAX_ROWS if hidden.dtype == torch.float32 else bf16_logits_max_rows()
         if packed is not None and (weight is None or hidden.shape[0] <= codes_rows):
             local = packed.linear(hidden, out_dtype=torch.float32)
         elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
