@@ -5,6 +5,7 @@ import torch
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.kernels import cpu as cpu_kernels
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -251,7 +252,7 @@ def _candidates(
     (torch, on the logits' device); the rest works on [m, K] in numpy, where each of its ~25 small
     operations costs ~1 us instead of torch's ~5-15 us."""
     vocab = logits.shape[1]
-    raw_t, ids_t = logits.topk(k_cand, dim=-1)
+    raw_t, ids_t = _topk(logits, k_cand)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     cut_by_k = [0 < k < k_cand for k in top_k]
     top_p = [p.top_p for p in params]
@@ -309,6 +310,18 @@ def _candidates(
     # A top_k too large for the K never fits.
     ok &= ~np.array([k >= k_cand for k in top_k])
     return np.where(keep, e, 0.0).astype(np.float32), ids, ok
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest, descending: the C++ kernel for fp32 rows on CPU (one compare per logit
+    against a running threshold: 0.83 vs 2.7 ms for torch.topk at [64, 49152], k 64, 2 threads),
+    torch.topk elsewhere. Which of several values tied at the k-th place are returned differs between
+    the two; _candidates sends such rows to the full sort either way."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        ops = cpu_kernels.load()
+        if ops is not None:
+            return ops.topk_rows(logits, k)
+    return logits.topk(k, dim=-1)
 
 
 def _top_p_keep(e: np.ndarray, z: np.ndarray, tp: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:

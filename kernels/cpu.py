@@ -26,6 +26,7 @@ _SOURCES = [
     _CSRC / "cpu_gemm.cpp",
     _CSRC / "cpu_linear_bf16.cpp",
     _CSRC / "cpu_linear_amx.cpp",
+    _CSRC / "cpu_topk.cpp",
 ]
 _HEADERS = [_CSRC / "cpu_common.h", _CSRC / "cpu_codes_bf16.h"]
 # fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity). -fopenmp:
