@@ -132,6 +132,7 @@ def bf16_codes_max_rows() -> int:
     return BF16_DOT_MAX_ROWS if bf16_dot_supported() else BF16_CODES_MAX_ROWS
 
 
+@functools.cache
 def bf16_logits_max_rows() -> int:
     """bf16_codes_max_rows for the LM head: on the AMX kernel, at most AMX_LOGITS_MAX_ROWS."""
     if amx_codes_supported() and os.environ.get("TOKENMILL_BF16_CODES_ROWS") is None:

@@ -109,8 +109,7 @@ def cap_replicas(
             # The quota controller recounts `used` after pods appear, so a fresh status may not hold our
             # newest pods yet (seen: used 0 with our 2 pods running, and a third replica refused). What
             # this service's own live pods take is a floor for it.
-            reported = int(parse_quantity(used_map.get(key, own)))
-            used = max(reported, own)
+            used = max(int(parse_quantity(used_map.get(key, 0))), own)
             headroom = max(0, hard - used + own)
             fits = headroom // gpus_per_replica
             name = (quota.get("metadata") or {}).get("name", "?")

@@ -8,9 +8,9 @@
 // plus 8 bytes of scale and min per 32) and leaves the products to the tile unit.
 //
 // Per panel of 16 columns and block of 32 k: the 16 code-pair rows (code_pairs, already the VNNI layout
-// of a B tile) go to a 1 KB buffer and into tile 1; each group of 16 rows of x is tile 0; tile 2 takes
-// their block product, which is read back and scaled into fp32 running sums (the scale is per block, so
-// the tile cannot carry the sum across blocks).
+// of a B tile) make a 1 KB B tile; each group of 16 rows of x is an A tile; their block product (a C
+// tile) is read back and scaled into fp32 running sums (the scale is per block, so the tile cannot carry
+// the sum across blocks). Two blocks are in flight at a time.
 //
 // Numerics: fp32 sums of exact products (AMX flushes bf16 denormals in x to zero: |x| < 1.2e-38), grouped
 // by block as in the vector kernel; the order within a block is the tile unit's.
@@ -91,10 +91,10 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
   // The panel's B tiles, one per block (1 KB each; 48 KB for K = 1536): built once, read by every group.
   std::vector<__m512i> btiles(nb * kCodeBlock / 2);
   alignas(64) float cbuf[2][kGroup * kPanel];
+  // One group: each block's tile is built just before its product (still in L1); more: all up front.
+  const bool lazy = groups == 1;
   for (int64_t p = begin; p < end; ++p) {
     const int8_t* cp = codes + p * kb;
-    // One group: each block's tile is built just before its product (still in L1); more: all up front.
-    const bool lazy = groups == 1;
     auto build = [&](int64_t b0, int64_t b1) {
       for (int64_t j = b0 * kCodeBlock / 2; j < b1 * kCodeBlock / 2; ++j)
         btiles[j] = tokenmill_cpu::code_pairs<Q4>(cp, j, table);
