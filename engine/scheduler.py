@@ -2,6 +2,11 @@
 
 Running sequences first (a decode token each, or their next prefill chunk), then waiting ones.
 Recompute preemption when blocks run out; nobody new is admitted in a step that preempted.
+
+Only one kind of waiting sequence holds blocks: an n > 1 choice forked from its parent's prompt and not
+yet run (engine_core.py's _fork_children). When the head of the queue cannot get its blocks, those are
+taken back (recompute preemption while waiting), or the head could wait forever on sequences queued
+behind it: the soak test's deadlock.
 """
 
 import heapq
@@ -116,7 +121,11 @@ class Scheduler:
                 num_cached = len(hits) * self.kv.block_size
                 num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(req, num_new, hits):
-                    break
+                    released = self._release_waiting_blocks(req)
+                    if not released:
+                        break
+                    out.num_preemptions += released
+                    continue  # again, with hits looked up anew (the released blocks stay cached)
                 heapq.heappop(self.waiting)
                 if first_time:
                     out.prefix_cache_queries += req.num_tokens
@@ -140,6 +149,17 @@ class Scheduler:
         # already scheduled in this step keep their slots unless nothing else is left.
         candidates = [r for r in self.running if id(r) not in scheduled_ids] or self.running
         return max(candidates, key=lambda r: r.sort_key)
+
+    def _release_waiting_blocks(self, head: Request) -> int:
+        """Free the blocks of waiting sequences other than head (forked choices); returns how many
+        sequences gave theirs back. They recompute from the prefix cache once admitted."""
+        released = 0
+        for r in self.waiting:
+            if r is not head and self.kv.block_ids(r):
+                self.kv.free(r)
+                r.num_computed_tokens = 0
+                released += 1
+        return released
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

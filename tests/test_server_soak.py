@@ -49,6 +49,7 @@ class Tally:
     gave_up: int = 0  # non-streamed, the client's timeout hit before the answer
     disconnected: int = 0  # streamed, the client closed the connection mid-stream
     hung: int = 0  # past DEADLINE_S
+    hung_seen: list[str] = field(default_factory=list)  # what each hung request was, and the server's gauges then
     latencies: list[float] = field(default_factory=list)
 
 
@@ -144,6 +145,25 @@ async def one_request(
     tally.with_n += n > 1
 
 
+async def describe_hang(client: httpx.AsyncClient, rng_state: tuple, stream: bool, fate: float) -> str:
+    """The hung request's body (replayed from the worker's random state) and the engine's gauges now."""
+    rng = random.Random()
+    rng.setstate(rng_state)
+    chat = rng.random() < 0.5
+    _, body = make_body(rng, chat, stream)
+    body.pop("messages", None), body.pop("prompt", None)
+    gauges = {}
+    try:
+        text = (await client.get("/metrics", timeout=10)).text
+        for line in text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+                gauges[name] = float(line.rsplit(" ", 1)[1])
+    except httpx.HTTPError as e:
+        gauges["error"] = repr(e)
+    return f"fate {fate:.2f} {body} gauges {gauges}"
+
+
 async def soak(url: str, seconds: float, on_warm) -> Tally:
     tally = Tally()
     start = time.monotonic()
@@ -162,10 +182,12 @@ async def soak(url: str, seconds: float, on_warm) -> Tally:
                     stream, fate = seed == 1, 0.0
                 first = False
                 t0 = time.monotonic()
+                rng_state = rng.getstate()
                 try:
                     await asyncio.wait_for(one_request(client, rng, tally, stream, fate), DEADLINE_S)
                 except TimeoutError:
                     tally.hung += 1
+                    tally.hung_seen.append(await describe_hang(client, rng_state, stream, fate))
                 tally.latencies.append(time.monotonic() - t0)
                 if not warm_done and time.monotonic() >= warm_at:
                     warm_done = True
@@ -192,7 +214,7 @@ def test_soak_mixed_traffic_with_disconnects_and_preemption(server):
         f"{tally.gave_up} given up before the answer, {tally.hung} hung; slowest {max(tally.latencies):.1f} s; "
         f"preemptions {preemptions:.0f}; RSS warm {warm[0] / 2**20:.0f} MiB -> end {end / 2**20:.0f} MiB"
     )
-    assert tally.hung == 0, tally
+    assert tally.hung == 0, (tally.hung_seen, server.log()[-20000:])
     assert tally.complete > 0 and tally.disconnected > 0 and tally.gave_up > 0, tally
     assert preemptions > 0, "the pool was meant to force preemption"
     assert m["vllm:num_requests_waiting"] == 0
