@@ -9,9 +9,11 @@ the core, which frees its blocks.
 Admission: a request counts as waiting from the moment it is admitted (before tokenization) until the
 scheduler first runs it; with `max_waiting_requests` already waiting, `admit` raises QueueFullError.
 
-Progress: the core sends one message per step while it has work, so the time since the last one, while
-requests are in the core, says whether it is moving (`stalled_for`). That costs nothing per step: the
-message exists anyway. /health and /live read it (see docs/reliability.md).
+Progress: the core sends one message per step while it has work, so the time since the last one that
+moved anything (tokens computed, outputs, a grammar compiling), while requests are in the core, says
+whether it is moving (`stalled_for`). A core that loops without scheduling anything (a scheduler
+deadlock) is as stalled as a frozen one. That costs nothing per step: the message exists anyway.
+/health and /live read it (see docs/reliability.md).
 """
 
 import asyncio
@@ -271,7 +273,9 @@ class AsyncLLM:
             state.queue.put_nowait(RequestRejectedError(item.message, item.client_error))
 
     def _process_step(self, step: StepOutputs) -> None:
-        now = self._last_progress = time.monotonic()
+        now = time.monotonic()
+        if step.outputs or step.stats.num_scheduled_tokens or step.stats.num_compiling:
+            self._last_progress = now
         for rid, _waited in step.stats.queue_times:
             self._unscheduled.discard(rid)
         outputs = [

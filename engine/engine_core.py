@@ -293,6 +293,7 @@ class EngineCore:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
             num_scheduled_tokens=sched.num_scheduled_tokens,
+            num_compiling=len(self.structured_outputs.pending),
             queue_times=sched.queue_times,
         )
         return outputs, stats

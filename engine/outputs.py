@@ -55,6 +55,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # tokens found this step
     num_scheduled_tokens: int = 0  # tokens in this step's batch
+    num_compiling: int = 0  # requests whose grammar is still compiling (outside the scheduler)
     # (request_id, seconds waited) for requests first scheduled this step
     queue_times: list[tuple[str, float]] = field(default_factory=list)
 

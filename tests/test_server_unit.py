@@ -3,6 +3,7 @@ engine-core busy loop (against a small fake core, beside the real-process tests)
 OpenAI-format errors and auth on the app, and admission counting."""
 
 import asyncio
+import time
 import types
 
 import httpx
@@ -10,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.engine import core_proc, metric_names
 from tokenmill.engine.async_llm import AsyncLLM, QueueFullError
-from tokenmill.engine.core_client import EngineInfo
+from tokenmill.engine.core_client import EngineInfo, StepOutputs
 from tokenmill.engine.engine_core import EngineCapacity
 from tokenmill.engine.entrypoints import serve_cli
 from tokenmill.engine.entrypoints.api_server import build_app
@@ -86,7 +87,7 @@ def test_wire_format_round_trips_every_message():
     assert kind == core_proc.ADD and back == req
 
     outs = [EngineCoreOutput("r1", 1, [7], [(-0.5, [(7, -0.5), (9, -1.25)])], "stop", 7, 16)]
-    stats = SchedulerStats(2, 1, 0.25, 1, 32, 16, 40, [("r1", 0.01)])
+    stats = SchedulerStats(2, 1, 0.25, 1, 32, 16, 40, num_compiling=3, queue_times=[("r1", 0.01)])
     kind, outs_back, stats_back = core_proc.decode(core_proc.encode((core_proc.OUTPUTS, outs, stats)))
     assert outs_back == outs and stats_back == stats
     assert isinstance(outs_back[0].new_logprobs[0], tuple) and isinstance(stats_back.queue_times[0], tuple)
@@ -327,6 +328,54 @@ def test_admission_counts_before_tokenization_and_releases():
         engine.admit(["d"])
         engine.release(["c", "d"])
         assert engine.num_unscheduled == 0 and engine.num_in_flight == 0
+        await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_core_that_steps_without_scheduling_anything_counts_as_stalled():
+    """A scheduler deadlock leaves the core looping: a message per step, nothing computed. /health reads
+    stalled_for, so such steps must not reset it; a step that computes tokens (or a grammar compiling)
+    does."""
+
+    class Client:
+        def __init__(self) -> None:
+            self.steps: asyncio.Queue = asyncio.Queue()
+
+        def add_request(self, req) -> None:
+            pass
+
+        def abort_requests(self, ids) -> None:
+            pass
+
+        async def get_output(self):
+            return await self.steps.get()
+
+    def step(tokens: int = 0, compiling: int = 0) -> StepOutputs:
+        return StepOutputs([], SchedulerStats(num_running=0, num_waiting=1, num_scheduled_tokens=tokens,
+                                              num_compiling=compiling))  # fmt: skip
+
+    async def run() -> None:
+        client = Client()
+        engine = AsyncLLM(client, _NoTokenizer(), EngineInfo(CAPACITY, [2]))
+        engine.processor.add_request = lambda *a, **k: None
+        engine.start()
+        gen = engine.generate("r", None, [5, 6], SamplingParams(max_tokens=4))
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        for _ in range(20):  # 0.2 s of empty steps
+            client.steps.put_nowait(step())
+            await asyncio.sleep(0.01)
+        assert engine.stalled_for() >= time.monotonic() - t0 - 0.01
+        client.steps.put_nowait(step(compiling=1))
+        await asyncio.sleep(0.01)
+        assert engine.stalled_for() < 0.1
+        await asyncio.sleep(0.15)
+        client.steps.put_nowait(step(tokens=2))
+        await asyncio.sleep(0.01)
+        assert engine.stalled_for() < 0.1
+        pending.cancel()
         await engine.close()
 
     asyncio.run(run())
