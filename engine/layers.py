@@ -101,6 +101,13 @@ AMX_CODES_MAX_ROWS = 64
 # tiles than nibbles. Same machine, one call, AMX vs oneDNN (+ the cast to fp32 logits), ms: 16 rows
 # 2.45 vs 3.55, 32 rows 4.26 vs 4.96, 64 rows 8.35 vs 6.14.
 AMX_LOGITS_MAX_ROWS = 32
+# From this many rows the AMX path rebuilds each panel's bf16 weights from the codes once per call and
+# runs a plain tile GEMM (linear_dequant_amx) instead of scaling every block's tile (linear_codes_amx):
+# the bf16 model's weights, as oneDNN multiplies them. Same loop as above, 30 layers' linears, codes AMX /
+# dequant AMX / oneDNN, ms: 16 rows 15.8 / 18.1 / 27.8, 24 rows 23.8 / 23.2 / 31.0, 32 rows 24.7 / 22.3 /
+# 31.5, 48 rows 29.4 / 23.6 / 29.1, 64 rows 34.0 / 25.4 / 31.6 (a slower, noisier day of the same machine
+# kind than the figures above: docs/benchmarks.md).
+AMX_DEQUANT_MIN_ROWS = 32
 
 
 @functools.cache
@@ -118,6 +125,12 @@ def amx_codes_supported() -> bool:
         return False
     ops = cpu_kernels.load()
     return ops is not None and bf16_dot_supported() and ops.linear_codes_amx_supported()
+
+
+@functools.cache
+def amx_dequant_min_rows() -> int:
+    """AMX_DEQUANT_MIN_ROWS, or TOKENMILL_AMX_DEQUANT_ROWS for A/B runs (read once per process)."""
+    return int(os.environ.get("TOKENMILL_AMX_DEQUANT_ROWS", AMX_DEQUANT_MIN_ROWS))
 
 
 @functools.cache
@@ -184,8 +197,9 @@ class CpuPackedWeight:
         out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
         ops = cpu_kernels.load()
         if x.dtype == torch.bfloat16 and self.codes is not None and bf16_dot_supported():
-            use_amx = rows.shape[0] >= AMX_MIN_ROWS and amx_codes_supported()
-            op = ops.linear_codes_amx if use_amx else ops.linear_codes_bf16
+            op = ops.linear_codes_bf16
+            if rows.shape[0] >= AMX_MIN_ROWS and amx_codes_supported():
+                op = ops.linear_dequant_amx if rows.shape[0] >= amx_dequant_min_rows() else ops.linear_codes_amx
             op(out, rows, self.codes, self.scales, self.mins, bias)
         elif rows.dtype != out.dtype:  # fp32 logits of bf16 rows without the dot kernel: widen x
             return self.linear(x.to(out.dtype), bias)

@@ -10,7 +10,14 @@ batches on oneDNN's prepacked bf16 weights.
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenmill.engine.layers import Linear, bf16_codes_max_rows, bf16_codes_wanted, can_prepack
+from tokenmill.engine.layers import (
+    Linear,
+    amx_codes_supported,
+    amx_dequant_min_rows,
+    bf16_codes_max_rows,
+    bf16_codes_wanted,
+    can_prepack,
+)
 
 CPU = torch.device("cpu")
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at"]
@@ -42,19 +49,24 @@ def test_single_rows_run_from_the_codes_and_round_once_to_bf16() -> None:
     assert lin.weight is None  # single rows read the codes, larger batches the packed copy
     g = torch.Generator().manual_seed(2)
     max_rows = bf16_codes_max_rows()
-    for rows in (*range(1, 10), max_rows - 1, max_rows, max_rows + 1, max_rows + 2):
+    # Where the CPU has AMX, batches from amx_dequant_min_rows() multiply by the bf16 weights (rebuilt
+    # from the codes), as oneDNN does past max_rows.
+    bf16_weights_from = min(amx_dequant_min_rows() if amx_codes_supported() else max_rows + 1, max_rows + 1)
+    for rows in (*range(1, 10), bf16_weights_from - 1, bf16_weights_from, max_rows - 1, max_rows, max_rows + 1,
+                 max_rows + 2):  # fmt: skip
         x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
         out = lin(x)
         exact = F.linear(x.double(), w.double(), bias.double())  # the fp32 weights, not their bf16 rounding
         assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
         err = (out.double() - exact).abs()
         half_ulp = exact.abs() * 2.0**-8
-        if rows <= max_rows:
+        if rows < bf16_weights_from:
             # fp32 sums rounded once to bf16: within half an ulp of the exact product, plus the fp32
             # sums' own error.
             assert (err <= half_ulp + 2e-5 * (x.double().abs() @ w.double().abs().T + 1)).all()
         else:
-            # oneDNN's bf16 weights: their rounding shows (a bound ten times looser, still a real one).
+            # The bf16 weights (oneDNN's, or the AMX GEMM's): their rounding shows (a bound ten times
+            # looser, still a real one).
             assert (err <= 10 * half_ulp + 0.05).all()
 
 

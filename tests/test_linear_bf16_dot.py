@@ -1,11 +1,14 @@
 """The bf16 kernels on integer codes, for bf16 models: the AVX-512 BF16 dot kernel
-(kernels/csrc/cpu_linear_bf16.cpp) and the AMX tile kernel (cpu_linear_amx.cpp). Both take the codes as
-bf16 operands, sum_k x_k (d c_k + m) = d sum_k x_k c_k + m sum_k x_k per block of 32.
+(kernels/csrc/cpu_linear_bf16.cpp) and the AMX tile kernels (cpu_linear_amx.cpp). The dot kernel and
+linear_codes_amx take the codes as bf16 operands, sum_k x_k (d c_k + m) = d sum_k x_k c_k + m sum_k x_k
+per block of 32; linear_dequant_amx rebuilds the bf16 model's weights, bf16(d c + m), and multiplies by
+those (what oneDNN does with the bf16 weight).
 
 Their products are exact and their sums fp32, so every output must lie within half a bf16 ulp of the
-exact product with the fp32 weights (their values, not their bf16 rounding) plus an fp32 summation bound.
-Each test runs for every kernel this CPU has; the other is reported as skipped, not passed.
+exact product with the weights each kernel means (fp32 values, or their bf16 rounding) plus an fp32
+summation bound. Each test runs for every kernel this CPU has; the others are reported as skipped.
 """
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,13 +29,27 @@ KERNELS = [
                                                                reason="needs AVX-512 BF16 and the C++ kernels")),
     pytest.param("linear_codes_amx", marks=pytest.mark.skipif(not amx_codes_supported(),
                                                               reason="needs AMX-BF16 and the C++ kernels")),
+    pytest.param("linear_dequant_amx", marks=pytest.mark.skipif(not amx_codes_supported(),
+                                                                reason="needs AMX-BF16 and the C++ kernels")),
 ]
 
 
+@dataclass
+class Kernel:
+    op: object  # out, x, codes, scales, mins, bias
+    bf16_weights: bool  # multiplies by bf16(w), not by w
+
+    def __call__(self, *args) -> None:
+        self.op(*args)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """The weight this kernel's exact product uses."""
+        return w.to(torch.bfloat16).float() if self.bf16_weights else w
+
+
 @pytest.fixture(params=KERNELS)
-def kernel(request):
-    """The op under test: out, x, codes, scales, mins, bias."""
-    return getattr(cpu_kernels.load(), request.param)
+def kernel(request) -> Kernel:
+    return Kernel(getattr(cpu_kernels.load(), request.param), request.param == "linear_dequant_amx")
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -47,8 +64,9 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     assert (err <= bound).all(), f"max error {err.max().item():.3g} over bound {(err - bound).max().item():.3g}"
 
 
-# N 50: a ragged last panel; rows 1-19 cover every tile height of the dot kernel (8-row tiles and the
-# remainder), 16-33 the AMX kernel's whole and padded groups of 16; K 96 (an odd number of 32-blocks) and
+# N 50: a ragged last panel (and an odd number of panels: linear_dequant_amx's pairs); rows 1-19 cover
+# every tile height of the dot kernel (8-row tiles and the remainder), 16-65 the AMX kernels' whole and
+# padded groups of 16 and pairs of groups; K 96 (an odd number of 32-blocks) and
 # 576 (SmolLM2's hidden size).
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(50, 96), (64, 576)])
@@ -58,16 +76,16 @@ def test_kernel_gives_the_exact_product_rounded(kernel, kind: str, n: int, k: in
     assert packed is not None and packed.codes.dtype == (torch.uint8 if kind == "q4_1" else torch.int8)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 7, 8, 9, 16, 19, 32, 33):
+    for rows in (1, 2, 3, 7, 8, 9, 16, 19, 32, 33, 64, 65):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         for b in (None, bias):
             for dtype in (torch.bfloat16, torch.float32):
                 out = torch.full((rows, n), float("nan"), dtype=dtype)
                 kernel(out, x, packed.codes, packed.scales, packed.mins, b)
-                _check(out, x, w, b)
+                _check(out, x, kernel.weight(w), b)
 
 
-@pytest.mark.parametrize("rows", [11, 32])  # a padded group of 16 (AMX) and whole ones
+@pytest.mark.parametrize("rows", [11, 32, 45])  # padded groups of 16 (AMX) and whole ones
 def test_rows_a_stride_apart_and_a_rows_result_does_not_depend_on_the_batch(kernel, rows: int) -> None:
     w = quantized_weight(40, 128, "q4_1", seed=3)
     packed = codes_weight(w)
@@ -75,7 +93,7 @@ def test_rows_a_stride_apart_and_a_rows_result_does_not_depend_on_the_batch(kern
     x = wide[:, :128]  # rows 256 elements apart
     out = torch.empty(rows, 40, dtype=torch.bfloat16)
     kernel(out, x, packed.codes, packed.scales, packed.mins, None)
-    _check(out, x, w, None)
+    _check(out, x, kernel.weight(w), None)
     for r in (0, 9, rows - 1):  # the row repeated 4 times: the same sums as among the others
         one = torch.empty(4, 40, dtype=torch.bfloat16)
         kernel(one, x[[r] * 4].contiguous(), packed.codes, packed.scales, packed.mins, None)

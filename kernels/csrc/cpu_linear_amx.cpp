@@ -149,6 +149,123 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
   }
   _tile_release();
 }
+
+// ---- linear_dequant_amx: the codes dequantized to the bf16 weights in tiles, then a plain tile GEMM ----
+//
+// Why: past a few groups of 16 rows, linear_codes_amx spends its time reading every block's C tile
+// back (the scale is per block), and oneDNN reads 2 bytes per weight. Here each panel's codes become its
+// bf16 weights once per call, bf16(d * c + m) (the product is exact, so this is the bf16 model's weight
+// bit for bit: the values oneDNN's path multiplies), laid out as B tiles in L2; C tiles then carry the
+// sum over all of K and are read back once. 2 panels x 2 groups of 16 rows per pass: 4 C tiles, 2 A, 2 B
+// (an odd last group: 2 C tiles, 1 A).
+
+// lane i of the result: (bf16(d c_lo + m), bf16(d c_hi + m)) for column i, from code_pairs' exact
+// (c_lo, c_hi) bf16 pairs.
+inline __m512i dequant_pairs(__m512i pairs, __m512 d, __m512 mn, __m512i interleave) {
+  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d, hi, mn), _mm512_fmadd_ps(d, lo, mn)));
+  return _mm512_permutexvar_epi16(interleave, both);  // [lo 0..15 | hi 0..15] -> (lo i, hi i) pairs
+}
+
+inline __m512i pair_interleave() {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<uint16_t>(i);
+    idx[2 * i + 1] = static_cast<uint16_t>(16 + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// Panel p's B tiles for every block into bt[nb * 16]; zeros for a panel past the weight's last.
+template <bool Q4, typename S>
+void dequant_panel(__m512i* bt, int64_t p, int64_t panels, int64_t nb, const int8_t* codes, int64_t kb,
+                   const S* scales, const S* mins, __m512i table, __m512i interleave) {
+  if (p >= panels) {
+    std::fill(bt, bt + nb * kCodeBlock / 2, _mm512_setzero_si512());
+    return;
+  }
+  const int8_t* cp = codes + p * kb;
+  const S* ps = scales + p * nb * kPanel;
+  const S* pm = mins + p * nb * kPanel;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 d = tokenmill_cpu::load16(ps + b * kPanel), mn = tokenmill_cpu::load16(pm + b * kPanel);
+    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j)
+      bt[j] = dequant_pairs(tokenmill_cpu::code_pairs<Q4>(cp, j, table), d, mn, interleave);
+  }
+}
+
+// Tiles 0-3: C (group g / g + 1 x panel p / p + 1), 4-5: A (the two groups), 6-7: B (the two panels).
+TileConfig gemm_tile_config() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = kGroup;
+  }
+  return c;
+}
+
+// Panel pairs [begin, end) of the output for all M rows. xp: x padded to whole groups of 16 rows (lda apart).
+template <bool Q4, typename TOut, typename S>
+void panel_pairs_dequant(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, int64_t lda, int64_t nb,
+                         const int8_t* codes, int64_t kb, const S* scales, const S* mins, int64_t panels, int64_t n,
+                         const float* bias, TOut* out, int64_t ldo) {
+  const TileConfig cfg = gemm_tile_config();
+  _tile_loadconfig(&cfg);
+  const __m512i table = tokenmill_cpu::nibble_table(), interleave = pair_interleave();
+  const int64_t tiles = nb * kCodeBlock / 2, ldb = lda * sizeof(c10::BFloat16);
+  std::vector<__m512i> bt(2 * tiles);  // both panels' B tiles: 2 KB per block (96 KB for K = 1536)
+  alignas(64) float cbuf[4][kGroup * kPanel];
+  const int64_t groups = (m + kGroup - 1) / kGroup;
+  for (int64_t pp = begin; pp < end; ++pp) {
+    const int64_t p0 = 2 * pp;
+    dequant_panel<Q4, S>(bt.data(), p0, panels, nb, codes, kb, scales, mins, table, interleave);
+    dequant_panel<Q4, S>(bt.data() + tiles, p0 + 1, panels, nb, codes, kb, scales, mins, table, interleave);
+    for (int64_t g = 0; g < groups; g += 2) {
+      const c10::BFloat16* a = xp + g * kGroup * lda;
+      const bool pair = g + 1 < groups;  // an odd last group runs alone (tiles 0 and 1)
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      if (pair) {
+        for (int64_t b = 0; b < nb; ++b) {
+          _tile_loadd(4, a + b * kCodeBlock, ldb);
+          _tile_loadd(5, a + kGroup * lda + b * kCodeBlock, ldb);
+          _tile_loadd(6, &bt[b * kCodeBlock / 2], 64);
+          _tile_loadd(7, &bt[tiles + b * kCodeBlock / 2], 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      } else {
+        for (int64_t b = 0; b < nb; ++b) {
+          _tile_loadd(4, a + b * kCodeBlock, ldb);
+          _tile_loadd(6, &bt[b * kCodeBlock / 2], 64);
+          _tile_loadd(7, &bt[tiles + b * kCodeBlock / 2], 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+      }
+      _tile_stored(0, cbuf[0], 64);
+      _tile_stored(1, cbuf[1], 64);
+      _tile_stored(2, cbuf[2], 64);
+      _tile_stored(3, cbuf[3], 64);
+      for (int q = 0; q < (pair ? 4 : 2); ++q) {
+        const int64_t p = p0 + (q & 1), g0 = (g + (q >> 1)) * kGroup;
+        if (p >= panels) continue;
+        const int64_t cols = std::min(kPanel, n - p * kPanel), rows = std::min(kGroup, m - g0);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), bias + p * kPanel);
+        for (int64_t r = 0; r < rows; ++r)
+          tokenmill_cpu::store_cols(out + (g0 + r) * ldo + p * kPanel,
+                                    _mm512_add_ps(_mm512_load_ps(cbuf[q] + r * kPanel), bv), cols);
+      }
+    }
+  }
+  _tile_release();
+}
 #endif
 
 bool linear_codes_amx_supported() {
@@ -206,10 +323,58 @@ void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
 #endif
 }
 
+
+// out [M, N] (bf16, or fp32 for logits) = x [M, K] (bf16) @ bf16(W)^T (+ bias, fp32), W the integer codes
+// of linear_codes_bf16's layout rebuilt as the bf16 model's weights: what oneDNN computes from the bf16
+// weight, in another order of the fp32 sums. Needs linear_codes_amx_supported().
+void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(linear_codes_amx_supported(), "linear_dequant_amx: this CPU, build or kernel gives no AMX-BF16 tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "linear_dequant_amx: x must be 2-D bfloat16 with contiguous rows");
+  const int64_t k = x.size(1);
+  tokenmill_cpu::check_codes("linear_dequant_amx", codes, scales, mins, k, true, true);
+  const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
+  const float* bp = tokenmill_cpu::check_linear_args("linear_dequant_amx", out, x, panels, "the codes", bias, true, true);
+#if defined(TOKENMILL_AMX)
+  if (m == 0) return;
+  const int64_t nb = k / kCodeBlock, ldx = x.stride(0), ldo = out.stride(0);
+  const int64_t mp16 = (m + kGroup - 1) / kGroup * kGroup;  // a tile load reads 16 rows
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  std::vector<c10::BFloat16> padded;
+  const c10::BFloat16* xa = xp;
+  int64_t lda = ldx;
+  if (mp16 != m) {
+    padded.assign(mp16 * k, c10::BFloat16(0.0f));
+    for (int64_t r = 0; r < m; ++r) std::memcpy(&padded[r * k], xp + r * ldx, k * sizeof(c10::BFloat16));
+    xa = padded.data();
+    lda = k;
+  }
+  const bool q4 = codes.scalar_type() == at::kByte;
+  const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
+  const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;
+  auto run = [&](auto* op, const auto* sp, const auto* mp) {
+    using TOut = std::remove_pointer_t<decltype(op)>;
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
+    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      (q4 ? panel_pairs_dequant<true, TOut, S> : panel_pairs_dequant<false, TOut, S>)(
+          begin, end, m, xa, lda, nb, cp, kb, sp, mp, panels, n, bp, op, ldo);
+    });
+  };
+  tokenmill_cpu::dispatch_codes_out(out, scales, mins, run);
+#else
+  (void)bp;
+  (void)m;
+  (void)n;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("linear_codes_amx_supported() -> bool", &linear_codes_amx_supported);
   m.def("linear_codes_amx(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> ()");
   m.impl("linear_codes_amx", c10::DispatchKey::CPU, &linear_codes_amx);
+  m.def("linear_dequant_amx(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> ()");
+  m.impl("linear_dequant_amx", c10::DispatchKey::CPU, &linear_dequant_amx);
 }
