@@ -276,32 +276,54 @@ bool linear_codes_amx_supported() {
 #endif
 }
 
+
+// Both ops' argument checks (out, x, codes, scales, mins, bias); returns the bias pointer (or null).
+const float* check_amx_args(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
+                            const at::Tensor& scales, const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(linear_codes_amx_supported(), op, ": this CPU, build or kernel gives no AMX-BF16 tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be 2-D bfloat16 with contiguous rows");
+  tokenmill_cpu::check_codes(op, codes, scales, mins, x.size(1), true, true);
+  return tokenmill_cpu::check_linear_args(op, out, x, codes.size(0), "the codes", bias, true, true);
+}
+
+#if defined(TOKENMILL_AMX)
+// x's rows as A tiles read them: 16 at a time, so a batch that is not whole groups of 16 is copied into
+// zero-padded rows.
+struct GroupRows {
+  std::vector<c10::BFloat16> padded;
+  const c10::BFloat16* data;
+  int64_t ld;
+};
+
+GroupRows group_rows(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
+  const int64_t mp16 = (m + kGroup - 1) / kGroup * kGroup;
+  GroupRows g{{}, x.data_ptr<c10::BFloat16>(), ldx};
+  if (mp16 != m) {
+    g.padded.assign(mp16 * k, c10::BFloat16(0.0f));
+    for (int64_t r = 0; r < m; ++r) std::memcpy(&g.padded[r * k], g.data + r * ldx, k * sizeof(c10::BFloat16));
+    g.data = g.padded.data();
+    g.ld = k;
+  }
+  return g;
+}
+#endif
+
 // out [M, N] (bf16, or fp32 for logits) = x [M, K] (bf16) @ W^T (+ bias, fp32), W as integer codes in
 // linear_codes_bf16's layout. Same contract as linear_codes_bf16; another order of the fp32 sums.
 void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(linear_codes_amx_supported(), "linear_codes_amx: this CPU, build or kernel gives no AMX-BF16 tiles");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "linear_codes_amx: x must be 2-D bfloat16 with contiguous rows");
-  const int64_t k = x.size(1);
-  tokenmill_cpu::check_codes("linear_codes_amx", codes, scales, mins, k, true, true);
-  const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
-  const float* bp = tokenmill_cpu::check_linear_args("linear_codes_amx", out, x, panels, "the codes", bias, true, true);
+  const float* bp = check_amx_args("linear_codes_amx", out, x, codes, scales, mins, bias);
+  const int64_t k = x.size(1), panels = codes.size(0), m = x.size(0), n = out.size(1);
 #if defined(TOKENMILL_AMX)
   if (m == 0) return;
   const int64_t nb = k / kCodeBlock, ldx = x.stride(0), ldo = out.stride(0);
   const int64_t mp16 = (m + kGroup - 1) / kGroup * kGroup;
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  // A tile load reads 16 rows: a batch that is not whole groups is copied into zero-padded rows.
-  std::vector<c10::BFloat16> padded;
-  const c10::BFloat16* xa = xp;
-  int64_t lda = ldx;
-  if (mp16 != m) {
-    padded.assign(mp16 * k, c10::BFloat16(0.0f));
-    for (int64_t r = 0; r < m; ++r) std::memcpy(&padded[r * k], xp + r * ldx, k * sizeof(c10::BFloat16));
-    xa = padded.data();
-    lda = k;
-  }
+  const GroupRows rows = group_rows(x);
+  const c10::BFloat16* xa = rows.data;
+  const int64_t lda = rows.ld;
   const std::vector<float> xsum = tokenmill_cpu::block_sums(xp, ldx, m, nb, mp16);
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
@@ -318,6 +340,8 @@ void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
   tokenmill_cpu::dispatch_codes_out(out, scales, mins, run);
 #else
   (void)bp;
+  (void)k;
+  (void)panels;
   (void)m;
   (void)n;
 #endif
@@ -329,27 +353,14 @@ void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
 // weight, in another order of the fp32 sums. Needs linear_codes_amx_supported().
 void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(linear_codes_amx_supported(), "linear_dequant_amx: this CPU, build or kernel gives no AMX-BF16 tiles");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "linear_dequant_amx: x must be 2-D bfloat16 with contiguous rows");
-  const int64_t k = x.size(1);
-  tokenmill_cpu::check_codes("linear_dequant_amx", codes, scales, mins, k, true, true);
-  const int64_t panels = codes.size(0), m = x.size(0), n = out.size(1);
-  const float* bp = tokenmill_cpu::check_linear_args("linear_dequant_amx", out, x, panels, "the codes", bias, true, true);
+  const float* bp = check_amx_args("linear_dequant_amx", out, x, codes, scales, mins, bias);
+  const int64_t k = x.size(1), panels = codes.size(0), m = x.size(0), n = out.size(1);
 #if defined(TOKENMILL_AMX)
   if (m == 0) return;
-  const int64_t nb = k / kCodeBlock, ldx = x.stride(0), ldo = out.stride(0);
-  const int64_t mp16 = (m + kGroup - 1) / kGroup * kGroup;  // a tile load reads 16 rows
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  std::vector<c10::BFloat16> padded;
-  const c10::BFloat16* xa = xp;
-  int64_t lda = ldx;
-  if (mp16 != m) {
-    padded.assign(mp16 * k, c10::BFloat16(0.0f));
-    for (int64_t r = 0; r < m; ++r) std::memcpy(&padded[r * k], xp + r * ldx, k * sizeof(c10::BFloat16));
-    xa = padded.data();
-    lda = k;
-  }
+  const int64_t nb = k / kCodeBlock, ldo = out.stride(0);
+  const GroupRows rows = group_rows(x);
+  const c10::BFloat16* xa = rows.data;
+  const int64_t lda = rows.ld;
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;
@@ -364,6 +375,8 @@ void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& c
   tokenmill_cpu::dispatch_codes_out(out, scales, mins, run);
 #else
   (void)bp;
+  (void)k;
+  (void)panels;
   (void)m;
   (void)n;
 #endif
