@@ -90,24 +90,27 @@ BF16_CODES_MAX_ROWS = 3
 # 110.8-118.4 vs 102.4-104.8, 128 rows 196-213 vs 157-169: past 32 rows oneDNN's register tiles win.
 BF16_DOT_MAX_ROWS = 32
 # ...and where the CPU has AMX-BF16, the codes' AMX tile kernel (cpu_linear_amx.cpp) takes batches of
-# AMX_MIN_ROWS up to AMX_CODES_MAX_ROWS rows; fewer rows stay on the dot kernel, more go to oneDNN. The
+# AMX_MIN_ROWS rows on; fewer rows stay on the dot kernel. The
 # 30 layers' linears of the bundled model (a throwaway loop, 2 threads, 2-vCPU Xeon with AMX, the same
 # process alternating; docs/benchmarks.md), dot / AMX / oneDNN in ms: 1 row 7.4 / 9.5 / 17.0, 3 rows
 # 8.5 / 9.3 / 16.1, 4 rows 10.1 / 9.9 / 17.0, 16 rows 23.8 / 9.1 / 17.6, 64 rows 81 / 20.7 / 23.7,
 # 128 rows 163 / 34.7 / 27.6.
 AMX_MIN_ROWS = 4
-AMX_CODES_MAX_ROWS = 64
+# From AMX_DEQUANT_MIN_ROWS the AMX path rebuilds each panel's bf16 weights from the codes once per call
+# and runs a plain tile GEMM (linear_dequant_amx) instead of scaling every block's tile
+# (linear_codes_amx): the bf16 model's weights, as oneDNN multiplies them, read as codes. It takes
+# batches up to AMX_CODES_MAX_ROWS; more go to oneDNN. Same loop as above on a noisier day, one process
+# alternating, codes AMX / dequant AMX / oneDNN, ms: 16 rows 13.7 / 15.5 / 23.4, 24 rows 21.8 / 18.9 /
+# 25.6, 32 rows 21.4 / 17.3 / 26.3, 64 rows 32.4 / 25.5 / 31.0, 96 rows 40.7 / 29.3 / 32.8, 128 rows
+# 49.9 / 35.3 / 43.6; past that oneDNN and this one trade places (160 rows 36.1 vs 44.6, 256 rows
+# 48.2 vs 44.6): docs/benchmarks.md.
+AMX_DEQUANT_MIN_ROWS = 24
+AMX_CODES_MAX_ROWS = 128
 # The LM head (Q8 codes, 49,152 x 576) crosses over earlier: its int8 codes cost more to turn into B
 # tiles than nibbles. Same machine, one call, AMX vs oneDNN (+ the cast to fp32 logits), ms: 16 rows
-# 2.45 vs 3.55, 32 rows 4.26 vs 4.96, 64 rows 8.35 vs 6.14.
+# 2.45 vs 3.55, 32 rows 4.26 vs 4.96, 64 rows 8.35 vs 6.14; the dequant kernel, one weight in a loop:
+# 64 rows 3.76 vs 2.79.
 AMX_LOGITS_MAX_ROWS = 32
-# From this many rows the AMX path rebuilds each panel's bf16 weights from the codes once per call and
-# runs a plain tile GEMM (linear_dequant_amx) instead of scaling every block's tile (linear_codes_amx):
-# the bf16 model's weights, as oneDNN multiplies them. Same loop as above, 30 layers' linears, codes AMX /
-# dequant AMX / oneDNN, ms: 16 rows 15.8 / 18.1 / 27.8, 24 rows 23.8 / 23.2 / 31.0, 32 rows 24.7 / 22.3 /
-# 31.5, 48 rows 29.4 / 23.6 / 29.1, 64 rows 34.0 / 25.4 / 31.6 (a slower, noisier day of the same machine
-# kind than the figures above: docs/benchmarks.md).
-AMX_DEQUANT_MIN_ROWS = 32
 
 
 @functools.cache

@@ -159,15 +159,6 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
 // sum over all of K and are read back once. 2 panels x 2 groups of 16 rows per pass: 4 C tiles, 2 A, 2 B
 // (an odd last group: 2 C tiles, 1 A).
 
-// lane i of the result: (bf16(d c_lo + m), bf16(d c_hi + m)) for column i, from code_pairs' exact
-// (c_lo, c_hi) bf16 pairs.
-inline __m512i dequant_pairs(__m512i pairs, __m512 d, __m512 mn, __m512i interleave) {
-  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-  const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d, hi, mn), _mm512_fmadd_ps(d, lo, mn)));
-  return _mm512_permutexvar_epi16(interleave, both);  // [lo 0..15 | hi 0..15] -> (lo i, hi i) pairs
-}
-
 inline __m512i pair_interleave() {
   alignas(64) uint16_t idx[32];
   for (int i = 0; i < 16; ++i) {
@@ -177,10 +168,25 @@ inline __m512i pair_interleave() {
   return _mm512_load_si512(idx);
 }
 
+// The codes of k = 2j, 2j + 1 for the panel's 16 columns as fp32 (lo, hi), straight from the code bytes
+// (no bf16 pairs to unpack again, as code_pairs would give).
+template <bool Q4>
+inline void code_floats(const int8_t* codes, int64_t j, __m512& lo, __m512& hi) {
+  if (Q4) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  } else {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * 16))));
+    hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * 16))));
+  }
+}
+
 // Panel p's B tiles for every block into bt[nb * 16]; zeros for a panel past the weight's last.
 template <bool Q4, typename S>
 void dequant_panel(__m512i* bt, int64_t p, int64_t panels, int64_t nb, const int8_t* codes, int64_t kb,
-                   const S* scales, const S* mins, __m512i table, __m512i interleave) {
+                   const S* scales, const S* mins, __m512i interleave) {
   if (p >= panels) {
     std::fill(bt, bt + nb * kCodeBlock / 2, _mm512_setzero_si512());
     return;
@@ -190,8 +196,13 @@ void dequant_panel(__m512i* bt, int64_t p, int64_t panels, int64_t nb, const int
   const S* pm = mins + p * nb * kPanel;
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 d = tokenmill_cpu::load16(ps + b * kPanel), mn = tokenmill_cpu::load16(pm + b * kPanel);
-    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j)
-      bt[j] = dequant_pairs(tokenmill_cpu::code_pairs<Q4>(cp, j, table), d, mn, interleave);
+    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j) {
+      // bf16(d c + m) for k = 2j and 2j + 1, then [lo 0..15 | hi 0..15] -> (lo i, hi i): a B tile's row.
+      __m512 lo, hi;
+      code_floats<Q4>(cp, j, lo, hi);
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d, hi, mn), _mm512_fmadd_ps(d, lo, mn));
+      bt[j] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both));
+    }
   }
 }
 
@@ -212,15 +223,15 @@ void panel_pairs_dequant(int64_t begin, int64_t end, int64_t m, const c10::BFloa
                          const float* bias, TOut* out, int64_t ldo) {
   const TileConfig cfg = gemm_tile_config();
   _tile_loadconfig(&cfg);
-  const __m512i table = tokenmill_cpu::nibble_table(), interleave = pair_interleave();
+  const __m512i interleave = pair_interleave();
   const int64_t tiles = nb * kCodeBlock / 2, ldb = lda * sizeof(c10::BFloat16);
   std::vector<__m512i> bt(2 * tiles);  // both panels' B tiles: 2 KB per block (96 KB for K = 1536)
   alignas(64) float cbuf[4][kGroup * kPanel];
   const int64_t groups = (m + kGroup - 1) / kGroup;
   for (int64_t pp = begin; pp < end; ++pp) {
     const int64_t p0 = 2 * pp;
-    dequant_panel<Q4, S>(bt.data(), p0, panels, nb, codes, kb, scales, mins, table, interleave);
-    dequant_panel<Q4, S>(bt.data() + tiles, p0 + 1, panels, nb, codes, kb, scales, mins, table, interleave);
+    dequant_panel<Q4, S>(bt.data(), p0, panels, nb, codes, kb, scales, mins, interleave);
+    dequant_panel<Q4, S>(bt.data() + tiles, p0 + 1, panels, nb, codes, kb, scales, mins, interleave);
     for (int64_t g = 0; g < groups; g += 2) {
       const c10::BFloat16* a = xp + g * kGroup * lda;
       const bool pair = g + 1 < groups;  // an odd last group runs alone (tiles 0 and 1)
