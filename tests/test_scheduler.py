@@ -20,18 +20,25 @@ def scheduler(num_blocks: int) -> Scheduler:
     return Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, max_model_len=24)
 
 
+def waiting_forked_choice(s: Scheduler) -> Request:
+    """Choice 1 of a 9-token prompt, forked after its parent's prefill and queued holding 2 shared blocks;
+    the parent is gone (finished or preempted)."""
+    parent, child = seq("p", 9, arrival=1.0), seq("p", 9, arrival=1.0, index=1)
+    assert s.kv.allocate_slots(parent, 9)
+    s.kv.fork(parent, child, 2)
+    child.num_computed_tokens = 2 * BS
+    s.kv.free(parent)
+    s.requests["p"] = [child]
+    s.add_request_seq(child)
+    return child
+
+
 def test_head_of_queue_takes_back_blocks_a_forked_choice_holds_while_waiting() -> None:
     # A forked n > 1 choice waits holding its parent's prompt blocks; the request ahead of it in the
     # queue needs more blocks than are left. Before the fix the head waited for the choice and the
     # choice waited behind the head: nothing ran again (the soak test's hung requests).
     s = scheduler(num_blocks=6)
-    parent, child = seq("p", 9, arrival=1.0), seq("p", 9, arrival=1.0, index=1)
-    assert s.kv.allocate_slots(parent, 9)
-    s.kv.fork(parent, child, 2)
-    child.num_computed_tokens = 2 * BS
-    s.kv.free(parent)  # the parent finished or was preempted; the child still holds 2 blocks
-    s.requests["p"] = [child]
-    s.add_request_seq(child)
+    child = waiting_forked_choice(s)
     head = seq("x", 17, arrival=0.0)  # 5 blocks of the 4 the child leaves free
     s.add_request(head)
     assert s.kv.num_blocks - s.kv.num_used_blocks == 4
@@ -55,13 +62,7 @@ def test_head_of_queue_takes_back_blocks_a_forked_choice_holds_while_waiting() -
 
 def test_head_that_fits_leaves_a_waiting_choice_its_blocks() -> None:
     s = scheduler(num_blocks=8)
-    parent, child = seq("p", 9, arrival=1.0), seq("p", 9, arrival=1.0, index=1)
-    assert s.kv.allocate_slots(parent, 9)
-    s.kv.fork(parent, child, 2)
-    child.num_computed_tokens = 2 * BS
-    s.kv.free(parent)
-    s.requests["p"] = [child]
-    s.add_request_seq(child)
+    child = waiting_forked_choice(s)
     s.add_request(seq("x", 17, arrival=0.0))  # 5 blocks of the 6 free, and 1 left for the choice's last token
 
     out = s.schedule()
