@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.cuda_graphs import CUDAGraphRunner
+from tokenmill.engine.huge_pages import zeros_huge_pages
 from tokenmill.engine.layers import bf16_codes_wanted, can_prepack, fp32_linear_ops, release_freed_memory
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.parallel_state import SINGLE, ParallelState, all_ranks_ok, same_on_all_ranks
@@ -51,10 +52,13 @@ class ModelRunner:
             model.pack_linears_cpu()
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # One allocation for the whole pool: [layers, K/V, blocks, block_size, kv_heads, head_dim].
-        self.kv_pool = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        # One allocation for the whole pool: [layers, K/V, blocks, block_size, kv_heads, head_dim]; on
+        # the CPU on huge pages (huge_pages.py: attention reads it a block at a time, all over the pool).
+        pool_shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if device.type == "cpu":
+            self.kv_pool = zeros_huge_pages(pool_shape, dtype)
+        else:
+            self.kv_pool = torch.zeros(pool_shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(num_layers)]
         # Reused every step instead of reallocated.
         self.block_table_buf = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
