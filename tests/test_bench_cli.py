@@ -19,6 +19,7 @@ from tokenmill.engine.bench.cli import main
         (["throughput", "--dataset", "seed-sim", "--threads", "0"], "--threads must be at least 1, got 0"),
         (["peers", "--workloads", "random,bogus"], "--workloads takes a comma list of random, prefix"),
         (["peers", "--clients", "curl"], "--clients takes a comma list of vllm, tokenmill"),
+        (["attention", "--layers", "0"], "--layers must be at least 1, got 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_named_problem(argv, message, capsys):

@@ -40,3 +40,4 @@ def test_the_pool_sits_on_huge_pages_and_the_switch_turns_them_off(monkeypatch) 
         monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "0")
         plain = zeros_huge_pages((64, 1 << 20), torch.bfloat16)
         assert anon_huge_kb(plain) == 0
+

@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers|sampler|startup`."""
+"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers|sampler|startup|attention`."""
 
 import argparse
 import asyncio
@@ -95,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=3.0, help="standard deviation of the random logits")
     p.add_argument("--steps", type=int, default=5, help="sampler calls per timed round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each kind is kept")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("attention", help="CPU decode attention over a model-sized KV pool: normal vs huge pages")
+    p.add_argument("--batch", type=int, default=64, help="sequences, one query row each")
+    p.add_argument("--context", type=int, default=176, help="tokens in each sequence's cache")
+    p.add_argument("--layers", type=int, default=30, help="pools of separate blocks, one per layer")
+    p.add_argument("--placement", choices=["scattered", "contiguous"], default="scattered",
+                   help="blocks in random order over the pool (a server after churn) or in order (a fresh pool)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best of each kind is kept")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", dest="json_out", default=None)
 
@@ -365,6 +375,21 @@ def cmd_sampler(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_attention(args: argparse.Namespace) -> int:
+    from tokenmill.engine.bench.attention import run_attention_bench
+
+    _set_threads(args.threads)
+    for name in ("batch", "context", "layers", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    report = run_attention_bench(args.batch, args.context, args.layers, args.placement, args.rounds)
+    print(f"{args.placement} blocks, {report['pool_mbytes']} MB pool: normal pages "
+          f"{report['normal_pages']['us_per_layer']} us/layer, huge pages {report['huge_pages']['us_per_layer']} "
+          f"us/layer, {report['huge_pages_speedup']}x", file=sys.stderr)
+    _emit(report, args.json_out)
+    return 0
+
+
 def cmd_startup(args: argparse.Namespace) -> int:
     from tokenmill.engine.bench.startup import run_startup_bench
 
@@ -407,7 +432,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
             "structured": cmd_structured, "output-path": cmd_output_path,
-            "peers": cmd_peers, "sampler": cmd_sampler, "startup": cmd_startup}
+            "peers": cmd_peers, "sampler": cmd_sampler, "startup": cmd_startup, "attention": cmd_attention}
 
 
 def main(argv: list[str] | None = None) -> int:
