@@ -89,10 +89,10 @@ BF16_CODES_MAX_ROWS = 3
 # BF16 EPYC, two runs each): 16 rows 36.0-39.8 vs 41.1-41.9 ms, 32 rows 57.4-59.4 vs 57.5-63.0, 64 rows
 # 110.8-118.4 vs 102.4-104.8, 128 rows 196-213 vs 157-169: past 32 rows oneDNN's register tiles win.
 BF16_DOT_MAX_ROWS = 32
-# ...and where the CPU has AMX-BF16, the codes' AMX tile kernel (cpu_linear_amx.cpp) takes batches of
-# AMX_MIN_ROWS rows on; fewer rows stay on the dot kernel. The
-# 30 layers' linears of the bundled model (a throwaway loop, 2 threads, 2-vCPU Xeon with AMX, the same
-# process alternating; docs/benchmarks.md), dot / AMX / oneDNN in ms: 1 row 7.4 / 9.5 / 17.0, 3 rows
+# ...and where the CPU has AMX-BF16, the codes' AMX tile kernel (cpu_linear_amx.cpp) takes batches from
+# AMX_MIN_ROWS rows; fewer rows stay on the dot kernel. The 30 layers' linears of the bundled model (a
+# throwaway loop, 2 threads, 2-vCPU Xeon with AMX, the same process alternating; docs/benchmarks.md),
+# dot / AMX / oneDNN in ms: 1 row 7.4 / 9.5 / 17.0, 3 rows
 # 8.5 / 9.3 / 16.1, 4 rows 10.1 / 9.9 / 17.0, 16 rows 23.8 / 9.1 / 17.6, 64 rows 81 / 20.7 / 23.7,
 # 128 rows 163 / 34.7 / 27.6.
 AMX_MIN_ROWS = 4

@@ -7,7 +7,6 @@ as a long-running server's free list leaves them, or in order (--placement conti
 hands them out. Timed with wall time, interleaved rounds, best round kept.
 """
 
-import os
 import time
 from typing import Any
 
@@ -19,11 +18,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the bundled model's attention
 
 
 def _pool(num_blocks: int, huge: bool) -> torch.Tensor:
-    os.environ["TOKENMILL_HUGE_PAGES"] = "1" if huge else "0"
-    try:
-        pool = zeros_huge_pages((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.bfloat16)
-    finally:
-        os.environ.pop("TOKENMILL_HUGE_PAGES")
+    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    pool = zeros_huge_pages(shape, torch.bfloat16) if huge else torch.zeros(shape, dtype=torch.bfloat16)
     return pool.normal_()
 
 

@@ -55,11 +55,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows x 64 bytes: A = 16 rows of x by 32 k (bf16), B = 16 k pairs by 16 columns (bf16
-// pairs), C = 16 rows by 16 columns (fp32). Two of each (tiles 0-2 and 3-5): two blocks in flight.
-TileConfig tile_config() {
+// Tiles 0..count-1, each 16 rows x 64 bytes: A = 16 rows of x by 32 k (bf16), B = 16 k pairs by 16
+// columns (bf16 pairs), C = 16 rows by 16 columns (fp32).
+TileConfig tile_config(int count) {
   TileConfig c;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < count; ++t) {
     c.colsb[t] = 64;
     c.rows[t] = kGroup;
   }
@@ -84,7 +84,7 @@ template <bool Q4, typename TOut, typename S>
 void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, int64_t lda, const float* xsum,
                 int64_t nb, const int8_t* codes, int64_t kb, const S* scales, const S* mins, int64_t n,
                 const float* bias, TOut* out, int64_t ldo) {
-  const TileConfig cfg = tile_config();
+  const TileConfig cfg = tile_config(6);  // A, B, C twice (tiles 0-2 and 3-5): two blocks in flight
   _tile_loadconfig(&cfg);
   const __m512i table = tokenmill_cpu::nibble_table();
   const int64_t groups = (m + kGroup - 1) / kGroup, sb = nb * kPanel, ldb = lda * sizeof(c10::BFloat16);
@@ -206,22 +206,13 @@ void dequant_panel(__m512i* bt, int64_t p, int64_t panels, int64_t nb, const int
   }
 }
 
-// Tiles 0-3: C (group g / g + 1 x panel p / p + 1), 4-5: A (the two groups), 6-7: B (the two panels).
-TileConfig gemm_tile_config() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = kGroup;
-  }
-  return c;
-}
-
 // Panel pairs [begin, end) of the output for all M rows. xp: x padded to whole groups of 16 rows (lda apart).
 template <bool Q4, typename TOut, typename S>
 void panel_pairs_dequant(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, int64_t lda, int64_t nb,
                          const int8_t* codes, int64_t kb, const S* scales, const S* mins, int64_t panels, int64_t n,
                          const float* bias, TOut* out, int64_t ldo) {
-  const TileConfig cfg = gemm_tile_config();
+  // Tiles 0-3: C (group g / g + 1 x panel p / p + 1), 4-5: A (the two groups), 6-7: B (the two panels).
+  const TileConfig cfg = tile_config(8);
   _tile_loadconfig(&cfg);
   const __m512i interleave = pair_interleave();
   const int64_t tiles = nb * kCodeBlock / 2, ldb = lda * sizeof(c10::BFloat16);
