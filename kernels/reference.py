@@ -94,20 +94,25 @@ def _attend_chunk(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_ids: torch.Tensor,
-    q_pos: torch.Tensor,
+    q_pos: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """q_pad [s, n, H, D] at absolute positions q_pos [s, n]; each row sees keys 0..q_pos. -> [s, n, H, D]."""
+    """q_pad [s, n, H, D] at absolute positions q_pos [s, n]; each row sees keys 0..q_pos. -> [s, n, H, D].
+
+    q_pos None: row i is at position i (whole prompts, no cached prefix), SDPA's own causal mask."""
     num_seqs = q_pad.shape[0]
     k = _gather_kv(k_cache, block_ids, num_seqs)  # [s, L, KVH, D]
     v = _gather_kv(v_cache, block_ids, num_seqs)
-    key_pos = torch.arange(k.shape[1], device=q_pad.device)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [s, n, L]
+    mask = None
+    if q_pos is not None:
+        key_pos = torch.arange(k.shape[1], device=q_pad.device)
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [s, 1, n, L]
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=mask[:, None],
+        attn_mask=mask,
+        is_causal=q_pos is None,  # top-left aligned: row i sees keys 0..i, the padding keys past L never
         scale=scale,
         enable_gqa=True,
     )
@@ -171,6 +176,18 @@ def paged_attention_prefill_torch(
     for seqs, nb, rows in _plan_chunks(lens, query_lens, block_size, kv_bytes):
         idx = torch.tensor(seqs, device=q.device)
         block_ids = block_tables[idx, :nb].clamp_min(0).flatten()
+        first0 = starts[seqs[0]]
+        if all(query_lens[i] == rows and starts[i] == first0 + j * rows for j, i in enumerate(seqs)):
+            # Chunks of one length, back to back (a step of equal prompts): no padding, so q's rows are a
+            # view and the output one slice; the gathers and masked copies below cost more than the
+            # attention itself for 128-token prompts (2.6 of 8.6 ms per layer for 16 prompts, bf16).
+            span = slice(first0, first0 + len(seqs) * rows)
+            q_pos = None  # whole prompts: row i at position i
+            if any(lens[i] != rows for i in seqs):
+                q_pos = (seq_lens[idx].long() - rows)[:, None] + torch.arange(rows, device=q.device)[None, :]
+            o = _attend_chunk(q[span].unflatten(0, (len(seqs), rows)), k_cache, v_cache, block_ids, q_pos, scale)
+            out[span] = o.flatten(0, 1)
+            continue
         qlen = torch.tensor([query_lens[i] for i in seqs], device=q.device)
         first = torch.tensor([starts[i] for i in seqs], device=q.device)
         r = torch.arange(rows, device=q.device)[None, :]

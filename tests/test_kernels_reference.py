@@ -301,3 +301,59 @@ def test_strided_q_from_fused_qkv_gives_contiguous_output(num_seqs):
     out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, seq_lens, 0.125)
     assert out.is_contiguous()
     assert_close(out, naive_decode(q, k_cache, v_cache, table, seq_lens, 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "calls"),
+    [
+        # whole prompts of one length: q's rows viewed in place, SDPA's own causal mask
+        ([37, 37, 37], [37, 37, 37], [(True, "causal")]),
+        # chunks of one length after cached prefixes: q viewed in place, an explicit mask
+        ([50, 50, 50], [20, 20, 20], [(True, "mask")]),
+        # chunks of one length after prefixes of different lengths, longest first: still back to back
+        ([61, 50, 45], [20, 20, 20], [(True, "mask")]),
+        # lengths differ: padded rows gathered from q, an explicit mask
+        ([61, 50, 45], [20, 20, 12], [(False, "mask")]),
+        ([37, 37, 20], [37, 37, 20], [(False, "mask")]),
+    ],
+)
+def test_prefill_chunks_of_one_length_match_naive(dtype, seq_lens, query_lens, calls, monkeypatch):
+    q, k_cache, v_cache, table, qsl, lens = prefill_batch(seq_lens, query_lens, 16, 2, 3, 64, dtype, seed=7)
+    seen = []
+    attend = reference._attend_chunk
+
+    def spy(q_pad, *args):
+        in_place = q_pad.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+        seen.append((in_place, "causal" if args[3] is None else "mask"))
+        return attend(q_pad, *args)
+
+    monkeypatch.setattr(reference, "_attend_chunk", spy)
+    out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, 0.125, impl="torch")
+    assert seen == calls
+    assert_close(out, naive_prefill(q, k_cache, v_cache, table, qsl, lens, 0.125), dtype)
+
+
+def test_prefill_whole_prompts_from_a_fused_qkv_slice():
+    # The dense path views q's rows in place: a strided slice of the qkv projection must still work.
+    seq_lens = [24, 24]
+    _, k_cache, v_cache, table, qsl, lens = prefill_batch(seq_lens, seq_lens, 16, 2, 3, 64, torch.float32)
+    qkv = torch.randn(48, (6 + 4) * 64)
+    q = qkv[:, : 6 * 64].view(48, 6, 64)
+    out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, 0.125, impl="torch")
+    assert_close(out, naive_prefill(q, k_cache, v_cache, table, qsl, lens, 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_cpu_op_writes_what_the_reference_writes(dtype):
+    # On CPU, store_kv (impl auto) runs the C++ op; impl="torch" the reference. Same bytes, -1 skipped.
+    k_a, v_a = make_cache(6, 16, 2, 64, dtype, seed=1)
+    k_b, v_b = k_a.clone(), v_a.clone()
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(9, 2, 64, generator=g).to(dtype)
+    value = torch.randn(9, 2, 64, generator=g).to(dtype)
+    slots = torch.tensor([5, 17, -1, 40, 95, 0, -1, 64, 33])
+    store_kv(key, value, k_a, v_a, slots)
+    store_kv(key, value, k_b, v_b, slots, impl="torch")
+    assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+    assert torch.equal(k_a.view(-1, 2, 64)[17], key[1]) and torch.equal(v_a.view(-1, 2, 64)[95], value[4])
