@@ -315,7 +315,9 @@ def test_strided_q_from_fused_qkv_gives_contiguous_output(num_seqs):
         ([61, 50, 45], [20, 20, 20], [(True, "mask")]),
         # lengths differ: padded rows gathered from q, an explicit mask
         ([61, 50, 45], [20, 20, 12], [(False, "mask")]),
-        ([37, 37, 20], [37, 37, 20], [(False, "mask")]),
+        # whole prompts of different lengths: padded, SDPA's causal mask (real rows never see the padding)
+        ([37, 37, 20], [37, 37, 20], [(False, "causal")]),
+        ([45, 37, 20], [45, 30, 20], [(False, "mask")]),  # one of them after a cached prefix
     ],
 )
 def test_prefill_chunks_of_one_length_match_naive(dtype, seq_lens, query_lens, calls, monkeypatch):
