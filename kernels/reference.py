@@ -198,7 +198,10 @@ def paged_attention_prefill_torch(
         row_in_chunk = torch.minimum(r, qlen[:, None] - 1)  # [s, rows]
         src = first[:, None] + row_in_chunk
         q_pos = None if whole else (seq_lens[idx].long() - qlen)[:, None] + row_in_chunk
-        o = _attend_chunk(q[src], k_cache, v_cache, block_ids, q_pos, scale)  # [s, rows, H, D]
-        real = r < qlen[:, None]
-        out.index_copy_(0, src[real], o[real])
+        # index_select, not q[src] / o[real]: advanced indexing took 6.1 ms for 2,048 bf16 rows of 9 x 64
+        # where index_select took 0.5, and the boolean pick 1.7 ms against 0.13 (2 threads).
+        o = _attend_chunk(q.index_select(0, src.flatten()).unflatten(0, src.shape), k_cache, v_cache, block_ids,
+                          q_pos, scale)  # [s, rows, H, D]; fmt: skip
+        keep = (r < qlen[:, None]).flatten().nonzero().squeeze(1)
+        out.index_copy_(0, src.flatten().index_select(0, keep), o.flatten(0, 1).index_select(0, keep))
     return out
