@@ -183,20 +183,20 @@ def _prefill_cpu(
 ) -> torch.Tensor:
     """Decode rows and prompt chunks up to CPU_MAX_ATTN_PAIRS in the C++ kernel; bigger ones through the
     reference (the same rule as the kernel's skip)."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    long = [i for i, n in enumerate(lens) if too_big_for_cpu_kernel(starts[i + 1] - starts[i], n, q.dtype)]
+    if len(long) == len(lens):  # all of them (a step of long prompts): the kernel would skip every one
+        return reference.paged_attention_prefill_torch(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+        )
     out = q.new_empty(q.shape)
     max_rows = _max_query_len(q.dtype)
     ops.paged_attention_varlen(  # type: ignore[attr-defined]
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_rows, CPU_MAX_ATTN_PAIRS
     )
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    long = [i for i, n in enumerate(lens) if too_big_for_cpu_kernel(starts[i + 1] - starts[i], n, q.dtype)]
     if not long:
         return out
-    if len(long) == len(lens):  # all of them (a step of long prompts): no rows to pick out and put back
-        return reference.paged_attention_prefill_torch(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
-        )
     rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in long])
     sub_starts = [0]
     for i in long:
