@@ -225,3 +225,48 @@ def test_integer_temperatures_sample_only_kept_tokens(temps: list[int]) -> None:
         logits.expand(draws * len(params), VOCAB).clone(), make_reqs(params * draws, [None] * draws * len(params))
     )
     assert set(tokens) <= {0, 1} and len(set(tokens)) == 2
+
+
+def test_unseeded_full_vocabulary_draws_follow_the_distribution() -> None:
+    # No truncation at all (temperature only): the row takes the full-vocabulary path, drawn by inverting
+    # its CDF. Frequencies of 20,000 draws within 5 standard deviations of the softmax.
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = torch.full((VOCAB,), -40.0)
+    logits[:6] = probs.log()
+    p = SamplingParams(temperature=1.0)
+    assert _num_candidates([p], VOCAB, 1024) == 0  # no top-K path for this row
+    draws = 20000
+    tokens, _ = Sampler(VOCAB, torch.device("cpu"))(logits.expand(draws, VOCAB).clone(),
+                                                    make_reqs([p] * draws, [None] * draws))
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB)
+    assert int(counts[6:].sum()) == 0  # 2,042 tokens of mass e^-40 each: ~1e-14 in all
+    for t in range(6):
+        sd = math.sqrt(probs[t] * (1 - probs[t]) / draws)
+        assert abs(counts[t] / draws - probs[t]) < 5 * sd, counts[:6]
+
+
+def test_unseeded_full_sort_draws_never_take_a_dropped_token() -> None:
+    # 100 tied tokens and top_p 0.5: the kept 50 (lowest ids) tie with tokens outside the K, so the row
+    # takes the full sort; every draw is one of the 50 and each comes up about equally often.
+    logits = torch.full((VOCAB,), float("-inf"))
+    logits[:100] = 0.0
+    p = SamplingParams(temperature=1.0, top_p=0.5)
+    assert not _candidates(logits.unsqueeze(0), 1.0, [p], 64)[2].any()
+    draws = 10000
+    tokens, _ = Sampler(VOCAB, torch.device("cpu"))(logits.expand(draws, VOCAB).clone(),
+                                                    make_reqs([p] * draws, [None] * draws))
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB)
+    assert int(counts[50:].sum()) == 0, counts[45:55]
+    sd = math.sqrt(0.02 * 0.98 / draws)
+    assert ((counts[:50] / draws - 0.02).abs() < 5 * sd).all(), counts[:50]
+
+
+def test_a_uniform_draw_at_the_total_takes_the_last_kept_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # u = rand * total can round up to the total itself; no CDF entry passes it, and the draw must not
+    # land on the dropped tokens after the last kept one.
+    probs = torch.zeros(2, VOCAB)
+    probs[0, [3, 17, 40]] = torch.tensor([0.5, 0.3, 0.2])
+    probs[1, [0, 1]] = torch.tensor([0.9, 0.1])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(*a, dtype=k.get("dtype")))
+    picked = Sampler(VOCAB, torch.device("cpu"))._draw_full(probs, make_reqs([SamplingParams()] * 2, [None, None]))
+    assert picked.tolist() == [40, 1]
