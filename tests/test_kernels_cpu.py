@@ -130,3 +130,28 @@ def test_engine_attention_checks_the_first_layer_of_a_step():
     md.seq_lens = seq_lens
     out = paged_attention(q, k, k, k_cache, v_cache, md, 0.125)
     assert md.validated and out.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_with_its_long_chunks_in_one_run(dtype, monkeypatch):
+    # The scheduler's usual mixed step: decode rows, then prompt chunks too big for the C++ kernel. The
+    # chunks reach the reference as one view of q (no gathered copy), and their rows land in place.
+    monkeypatch.setattr(ops, "CPU_MAX_ATTN_PAIRS", 4000)
+    seq_lens, query_lens = [17, 40, 33, 120, 140], [1, 1, 1, 100, 90]
+    assert [ops.too_big_for_cpu_kernel(n, s, dtype) for s, n in zip(seq_lens, query_lens, strict=True)] == [
+        False, False, False, True, True
+    ]
+    q, k_cache, v_cache, table, qsl, lens = prefill_batch(seq_lens, query_lens, 16, 1, 3, 64, dtype)
+    qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 64, dtype=dtype)], dim=1)  # a fused row's q slice
+    q_view = qkv[:, : q.shape[1] * 64].view(q.shape)
+    seen = []
+    real = ops.reference.paged_attention_prefill_torch
+
+    def spy(q_arg, *args):
+        seen.append(q_arg.data_ptr() == q_view[3].data_ptr())
+        return real(q_arg, *args)
+
+    monkeypatch.setattr(ops.reference, "paged_attention_prefill_torch", spy)
+    out = paged_attention_prefill(q_view, k_cache, v_cache, table, qsl, lens, 0.125, impl="cpu")
+    assert seen == [True]
+    assert_close(out, naive_prefill(q, k_cache, v_cache, table, qsl, lens, 0.125), dtype)
