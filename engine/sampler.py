@@ -230,9 +230,13 @@ class Sampler:
                 return picked
             out[torch.tensor(plain, device=probs.device)] = picked
         for i in seeded:
-            q = torch.empty(self.vocab_size, device=probs.device).exponential_(generator=reqs[i].generator)
-            out[i] = (probs[i] / q).argmax()
+            out[i] = (probs[i] / self._seeded_exponentials(reqs[i])).argmax()
         return out
+
+    def _seeded_exponentials(self, req: Request) -> torch.Tensor:
+        """A seeded request's Exp(1) draw for a step: always a whole vocabulary row from its own generator,
+        whichever path reads it, so its text depends on its seed alone."""
+        return torch.empty(self.vocab_size, device=self.device).exponential_(generator=req.generator)
 
     def _exponentials(self, reqs: list[Request], width: int, ids: np.ndarray) -> torch.Tensor:
         """Exp(1) draws for the exponential race over the top-K path's candidates (Gumbel-max equivalent):
@@ -245,8 +249,7 @@ class Sampler:
         q = torch.empty(len(reqs), width, device=self.device).exponential_()
         for i, r in enumerate(reqs):
             if r.generator is not None:
-                row = torch.empty(self.vocab_size, device=self.device).exponential_(generator=r.generator)
-                q[i] = row[torch.from_numpy(ids[i]).to(self.device)]
+                q[i] = self._seeded_exponentials(r)[torch.from_numpy(ids[i]).to(self.device)]
         return q
 
 

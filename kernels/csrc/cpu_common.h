@@ -78,12 +78,15 @@ inline __m512 load16(const c10::Half* p) {
 }
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  // Round to nearest even, as c10::BFloat16(float) does (NaN inputs do not occur in these layers).
+// v's fp32 bits rounded to nearest even at bit 16, as c10::BFloat16(float) rounds (NaN inputs do not
+// occur in these layers): the bf16 value is the top half.
+inline __m512i bf16_rne_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rne_bits(v), 16)));
 }
 inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -93,11 +96,8 @@ inline void store16(c10::Half* p, __m512 v) {
 // through memory (store16, load16) it cost a store-to-load round trip per 16 values.
 inline __m512 round16(const float*, __m512 v) { return v; }
 inline __m512 round16(const c10::BFloat16*, __m512 v) {
-  // store16's round to nearest even, then the low 16 bits cleared: the bf16 value as an fp32.
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  // store16's rounding with the low 16 bits cleared: the bf16 value as an fp32.
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_rne_bits(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 inline __m512 round16(const c10::Half*, __m512 v) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

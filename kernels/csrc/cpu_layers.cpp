@@ -132,6 +132,9 @@ void rotary_neox(at::Tensor x, const at::Tensor& positions, const at::Tensor& co
     T* xp = x.data_ptr<T>();
     const T* cp = cos.data_ptr<T>();
     const T* sp = sin.data_ptr<T>();
+#if defined(__AVX512F__)
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));  // -x2 by flipping its sign bit
+#endif
     at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const T* c = cp + pos[t] * half;
@@ -141,7 +144,6 @@ void rotary_neox(at::Tensor x, const at::Tensor& positions, const at::Tensor& co
           int64_t i = 0;
 #if defined(__AVX512F__)
           // The scalar loop below, 16 lanes at a time (it did not vectorize for bf16: 2.9 ns a value).
-          const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
           for (; i + 16 <= half; i += 16) {
             const __m512 x1 = tokenmill_cpu::load16(v + i), x2 = tokenmill_cpu::load16(v + i + half);
             const __m512 ci = tokenmill_cpu::load16(c + i), si = tokenmill_cpu::load16(s + i);
