@@ -13,6 +13,7 @@ the hidden state and residual at the stage boundary.
 
 import torch
 import torch.nn.functional as F
+from tokenmill.engine import cpu_decoder
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.layers import (
     CPU_PACKED_MAX_ROWS,
@@ -166,6 +167,8 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        # (KV pool identity, cpu_decoder's weight list or None): built on the first step that could use it.
+        self._fused: tuple[tuple, list[torch.Tensor] | None] | None = None
 
     def forward(
         self,
@@ -181,12 +184,27 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = stage_input
         rope = self.rotary_emb.for_positions(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i == 1 and cpu_decoder.step_fits(hidden, rope, attn_metadata):
+                weights = self._fused_weights(kv_caches)
+                if weights is not None:  # the rest of the layers in one C++ call
+                    hidden, residual = cpu_decoder.run_layers(self.layers[1:], weights, hidden, residual, rope, attn_metadata)
+                    break
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _fused_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
+        """cpu_decoder's weight list for layers 1.. (built once per KV pool), or None where it cannot run."""
+        # A new KV pool or new projection weights (packing replaces them) make a new list.
+        key = (id(kv_caches[0][0]) if kv_caches else None, id(self.layers[-1].mlp.down_proj.packed_cpu))
+        if self._fused is None or self._fused[0] != key:
+            ok = cpu_decoder.fused_layers_enabled() and self.par.tp_size == 1 and len(self.layers) > 1
+            weights = cpu_decoder.layer_weights(list(self.layers[1:]), kv_caches[1:]) if ok else None
+            self._fused = (key, weights)
+        return self._fused[1]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -423,6 +424,20 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, con
   });
 }
 }  // namespace
+
+// The ops as plain calls for cpu_decoder.cpp (cpu_ops.h).
+namespace tokenmill_cpu {
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
+              const at::Tensor& slot_mapping) {
+  ::store_kv(k_cache, v_cache, key, value, slot_mapping);
+}
+void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                            const at::Tensor& seq_lens, double scale, int64_t max_query_len, int64_t max_pairs) {
+  ::paged_attention_varlen(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+                           max_pairs);
+}
+}  // namespace tokenmill_cpu
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def(

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -217,6 +218,22 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 }
 
 }  // namespace
+
+// The ops as plain calls for cpu_decoder.cpp (cpu_ops.h).
+namespace tokenmill_cpu {
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  ::rms_norm(out, x, weight, eps);
+}
+void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  ::add_rms_norm(out, x, residual, weight, eps);
+}
+void rotary_neox(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  ::rotary_neox(x, positions, cos, sin);
+}
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  ::silu_and_mul(out, x);
+}
+}  // namespace tokenmill_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");

@@ -27,6 +27,7 @@
 
 #include "cpu_codes_bf16.h"
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -385,6 +386,18 @@ void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& c
 }
 
 }  // namespace
+
+// The ops as plain calls for cpu_decoder.cpp (cpu_ops.h).
+namespace tokenmill_cpu {
+void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  ::linear_codes_amx(out, x, codes, scales, mins, bias);
+}
+void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  ::linear_dequant_amx(out, x, codes, scales, mins, bias);
+}
+}  // namespace tokenmill_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("linear_codes_amx_supported() -> bool", &linear_codes_amx_supported);

@@ -25,6 +25,7 @@
 
 #include "cpu_codes_bf16.h"
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -171,6 +172,14 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
 }
 
 }  // namespace
+
+// The ops as plain calls for cpu_decoder.cpp (cpu_ops.h).
+namespace tokenmill_cpu {
+void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  ::linear_codes_bf16(out, x, codes, scales, mins, bias);
+}
+}  // namespace tokenmill_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("linear_codes_bf16_supported() -> bool", &linear_codes_bf16_supported);

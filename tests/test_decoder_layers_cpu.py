@@ -1,0 +1,48 @@
+"""engine/cpu_decoder.py: a bf16 step's layers after the first in one C++ call give the Python layer loop's
+tokens and logprobs bit for bit, on the bundled model, at batch sizes that take each linear kernel."""
+
+import pytest
+import torch
+from tokenmill.engine import LLM, SamplingParams, cpu_decoder
+from tokenmill.engine.layers import bf16_codes_wanted
+
+torch.set_num_threads(1)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llm_bf16():
+    if not bf16_codes_wanted(CPU, torch.bfloat16) or not cpu_decoder.fused_layers_enabled():
+        pytest.fail("this CPU runs bf16 projections from their codes, but the C++ layer loop is unavailable")
+    return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False)
+
+
+def _generate(llm, prompts, fused: bool, monkeypatch) -> tuple[list, int]:
+    calls = []
+    run = cpu_decoder.run_layers
+
+    def counting(*args, **kwargs):
+        calls.append(args[2].shape[0])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_decoder, "run_layers", counting)
+    if not fused:
+        monkeypatch.setattr(cpu_decoder, "step_fits", lambda hidden, rope, md: False)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    monkeypatch.undo()
+    got = [(o.outputs[0].token_ids, [dict(lp) for lp in o.outputs[0].logprobs]) for o in outs]
+    return got, calls
+
+
+# 1 row: the dot kernel; 6 rows: the AMX codes kernel where the CPU has AMX; 40: the AMX dequant kernel.
+@pytest.mark.parametrize("batch", [1, 6, 40])
+def test_fused_layers_give_the_python_loops_tokens_and_logprobs(llm_bf16, batch, monkeypatch) -> None:
+    g = torch.Generator().manual_seed(batch)
+    # short prompts, so the prompt steps (under 128 rows) take the C++ loop too when batch is small
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (batch,), generator=g)]
+    want, none = _generate(llm_bf16, prompts, False, monkeypatch)
+    got, calls = _generate(llm_bf16, prompts, True, monkeypatch)
+    assert not none
+    assert batch in calls  # the decode steps went through the C++ loop
+    assert got == want
