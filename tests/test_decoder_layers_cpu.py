@@ -5,15 +5,21 @@ import pytest
 import torch
 from tokenmill.engine import LLM, SamplingParams, cpu_decoder
 from tokenmill.engine.layers import bf16_codes_wanted
+from tokenmill.kernels import cpu
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
 
 
+def _loop_expected() -> bool:
+    """The C++ loop runs the codes kernels, which need AVX-512 BF16 (and the kernels built)."""
+    return bf16_codes_wanted(CPU, torch.bfloat16) and "avx512_bf16" in cpu._cpu_flags().split()
+
+
 @pytest.fixture(scope="module")
 def llm_bf16():
-    if not bf16_codes_wanted(CPU, torch.bfloat16) or not cpu_decoder.fused_layers_enabled():
-        pytest.fail("this CPU runs bf16 projections from their codes, but the C++ layer loop is unavailable")
+    # Where the CPU has the codes kernels the loop must be on; elsewhere the test checks the Python path.
+    assert cpu_decoder.fused_layers_enabled() == _loop_expected()
     return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False)
 
 
@@ -44,5 +50,8 @@ def test_fused_layers_give_the_python_loops_tokens_and_logprobs(llm_bf16, batch,
     want, none = _generate(llm_bf16, prompts, False, monkeypatch)
     got, calls = _generate(llm_bf16, prompts, True, monkeypatch)
     assert not none
-    assert batch in calls  # the decode steps went through the C++ loop
+    if _loop_expected():
+        assert batch in calls  # the decode steps went through the C++ loop
+    else:
+        assert not calls
     assert got == want

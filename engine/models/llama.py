@@ -167,7 +167,8 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        # (KV pool identity, cpu_decoder's weight list or None): built on the first step that could use it.
+        # (KV pool and weights' identity, cpu_decoder's weight list or None): built on the first step that
+        # could use it.
         self._fused: tuple[tuple, list[torch.Tensor] | None] | None = None
 
     def forward(
