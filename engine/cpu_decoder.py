@@ -62,22 +62,23 @@ def layer_weights(layers: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor
 
 
 def run_layers(
-    layers: list,
+    layer: object,
     weights: list[torch.Tensor],
     hidden: torch.Tensor,
     residual: torch.Tensor,
     rope: Rope,
     md: AttentionMetadata,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """layers (those `weights` were built from) over hidden and residual: (hidden, residual) after them."""
-    attn = layers[0].self_attn
+    """The layers `weights` were built from over hidden and residual: (hidden, residual) after them. `layer`
+    is one of them, for the shapes all share (not a slice of the ModuleList: that builds a new one)."""
+    attn = layer.self_attn
     _store, _attend, max_rows, max_pairs = md.cpu_direct
     sizes = [
         attn.num_heads,
         attn.num_kv_heads,
         attn.head_dim,
         attn.q_size + 2 * attn.kv_size,
-        layers[0].mlp.down_proj.in_features,
+        layer.mlp.down_proj.in_features,
         max_rows,
         max_pairs,
         AMX_MIN_ROWS if amx_codes_supported() else _NEVER,
@@ -95,7 +96,7 @@ def run_layers(
         md.query_start_loc,
         md.seq_lens,
         attn.scale,
-        layers[0].input_layernorm.eps,
+        layer.input_layernorm.eps,
         sizes,
     )
 

@@ -23,7 +23,7 @@ def llm_bf16():
     return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False)
 
 
-def _generate(llm, prompts, fused: bool, monkeypatch) -> tuple[list, int]:
+def _generate(llm, prompts, fused: bool, monkeypatch) -> tuple[list, list[int]]:
     calls = []
     run = cpu_decoder.run_layers
 

@@ -189,7 +189,7 @@ class LlamaModel(nn.Module):
             if i == 1 and cpu_decoder.step_fits(hidden, rope, attn_metadata):
                 weights = self._fused_weights(kv_caches)
                 if weights is not None:  # the rest of the layers in one C++ call
-                    hidden, residual = cpu_decoder.run_layers(self.layers[1:], weights, hidden, residual, rope, attn_metadata)
+                    hidden, residual = cpu_decoder.run_layers(layer, weights, hidden, residual, rope, attn_metadata)
                     break
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
         if self.norm is None:

@@ -7,7 +7,7 @@
 // replaced by a no-op (docs/benchmarks.md). Here the same kernels run in the same order on the same
 // buffers' shapes, so the result is the Python path's bit for bit (tests/test_decoder_layers_cpu.py).
 //
-// The caller (engine/models/llama.py) decides when this applies: no tensor or pipeline parallelism, no
+// The caller (engine/models/llama.py) decides when this applies: no tensor parallelism, no
 // q/k norms, the full rotary tables, every projection with codes, and a batch small enough for the codes
 // kernels; it passes its row thresholds for picking a linear kernel, so the choice stays in one place
 // (engine/layers.py).

@@ -221,9 +221,6 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 
 // The ops as plain calls for cpu_decoder.cpp (cpu_ops.h).
 namespace tokenmill_cpu {
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  ::rms_norm(out, x, weight, eps);
-}
 void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   ::add_rms_norm(out, x, residual, weight, eps);
 }

@@ -7,7 +7,6 @@
 
 namespace tokenmill_cpu {
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 void rotary_neox(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
