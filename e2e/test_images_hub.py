@@ -41,7 +41,7 @@ def images() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def hub() -> Iterator[HubStandin]:
-    from tokenmill.engine.model_loader import resolve_model  # torch: imported only when this module runs
+    from tokenmill.engine.model.resolve import resolve_model
 
     with HubStandin() as hub:
         hub.smollm2_sha = hub.add_repo(SMOLLM2, resolve_model(None))

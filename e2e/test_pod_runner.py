@@ -315,7 +315,7 @@ def test_other_runnable_examples_reach_ready_on_real_probes(
 
 
 def rank_processes(root: int) -> dict[int, list[str]]:
-    """The engine's local worker ranks (processes under `root` running tokenmill.engine.parallel_worker;
+    """The engine's local worker ranks (processes under `root` running tokenmill.engine.worker.rank_main;
     the engine core process, a child of the API server, starts them), by their --rank."""
     parents, argvs = {}, {}
     for entry in Path("/proc").iterdir():
@@ -335,7 +335,7 @@ def rank_processes(root: int) -> dict[int, list[str]]:
         return False
 
     return {int(argv[argv.index("--rank") + 1]): argv for pid, argv in argvs.items()
-            if "tokenmill.engine.parallel_worker" in argv and under_root(pid)}
+            if "tokenmill.engine.worker.rank_main" in argv and under_root(pid)}
 
 
 def test_tensor_parallel_example_runs_three_ranks_and_answers(

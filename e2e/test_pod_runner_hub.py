@@ -48,7 +48,7 @@ WEIGHTS = "model.safetensors"
 @pytest.fixture(scope="module")
 def hub() -> Iterator[HubStandin]:
     # The engine (torch) is imported only when this module runs.
-    from tokenmill.engine.model_loader import resolve_model
+    from tokenmill.engine.model.resolve import resolve_model
 
     folder = resolve_model(None)
     with HubStandin() as hub:

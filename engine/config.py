@@ -27,9 +27,27 @@ class EngineConfig:
     collective_timeout_s: float = 60.0
 
 
+def check_engine_config(c: EngineConfig) -> None:
+    """Refuse values no engine can run with, naming the field and what it takes."""
+    if c.block_size not in (8, 16, 32, 64, 128):
+        raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {c.block_size}")
+    if c.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {c.max_num_seqs}")
+    if c.max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be at least 1, got {c.max_num_batched_tokens}")
+    if c.max_model_len is not None and c.max_model_len < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {c.max_model_len}")
+    if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks must be at least 1, got {c.num_kv_blocks}")
+    if c.kv_cache_memory is not None and c.kv_cache_memory <= 0:
+        raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {c.kv_cache_memory}")
+    if c.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {c.dtype!r}")
+
+
 DEFAULTS = EngineConfig()  # the one place defaults live; the CLI and LLM() read them from here
 
-# /health and /live stall bounds (entrypoints/health.py); here so that `tokenmill serve` parses its flags
+# /health and /live stall bounds (server/health.py); here so that `tokenmill serve` parses its flags
 # without importing the web stack.
 DEFAULT_READINESS_STALL_S = 15.0
 DEFAULT_LIVENESS_STALL_S = 60.0

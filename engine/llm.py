@@ -5,9 +5,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.engine.config import DEFAULTS, EngineConfig
-from tokenmill.engine.generation_config import default_sampling_params
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.model_source import parse_model_source
+from tokenmill.engine.frontend.generation_config import default_sampling_params
+from tokenmill.engine.frontend.llm_engine import LLMEngine
+from tokenmill.engine.model.source import parse_model_source
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 from tqdm import tqdm

@@ -5,7 +5,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from tokenmill.engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -34,12 +33,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
+    generator: Any = None  # a seeded choice's torch.Generator, made by the sampler on its first draw
     first_scheduled_time: float | None = None
     seq_no: int = field(default_factory=lambda: next(_seq_counter))
     # n > 1: choices other than 0 wait for choice 0's prompt, then share its full prompt blocks.
     fork_children: list["Request"] = field(default_factory=list)
-    # structured outputs: this sequence's xgrammar GrammarMatcher (structured_output_manager.py)
+    # structured outputs: this sequence's xgrammar GrammarMatcher (structured_output/manager.py)
     grammar: Any = None
     # Chained prefix-cache hashes of the full blocks of token_ids, computed once each: tokens are only
     # ever appended, so a full block's hash never changes (not even across preemption).

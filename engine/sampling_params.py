@@ -7,7 +7,7 @@ from typing import Any
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """Constrain the output (vLLM's name and fields). Exactly one of json, json_object, regex, choice and
-    grammar is set; compiled with xgrammar by engine/structured_output.py."""
+    grammar is set; compiled with xgrammar by engine/structured_output/grammar.py."""
 
     json: dict[str, Any] | str | None = None  # a JSON schema (dict or its JSON text)
     json_object: bool | None = None  # any JSON object (response_format json_object)

@@ -125,6 +125,11 @@ def load() -> object | None:
     return _state["ops"]
 
 
+def ops_for(x: torch.Tensor) -> object | None:
+    """The ops for a CPU tensor, when they built; None for a tensor on another device."""
+    return load() if x.device.type == "cpu" else None
+
+
 def available() -> bool:
     return load() is not None
 

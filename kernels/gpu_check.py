@@ -11,7 +11,7 @@ What it does (figures go to docs/kernels.md):
 2. Decode replayed as a CUDA graph equals eager decode.
 3. Timing: decode kernel time, achieved GB/s of K/V read vs the device's copy bandwidth, and
    torch SDPA over the same K/V gathered into contiguous (unpaged) tensors.
-4. Tensor parallel (gpu_check_tp.py): NCCL all-reduce bandwidth, a decode-sized all-reduce eager and
+4. Tensor parallel (engine/bench/gpu_check_tp.py, in its own process): NCCL all-reduce bandwidth, a decode-sized all-reduce eager and
    in a CUDA graph, TP=2 greedy parity eager and with per-rank CUDA graphs; skipped with fewer than
    2 GPUs (never run yet: no multi-GPU machine has been lent).
 Exit status: 0 all checks pass, 1 a check failed, 2 no CUDA device.
@@ -20,6 +20,7 @@ Exit status: 0 all checks pass, 1 a check failed, 2 no CUDA device.
 import argparse
 import math
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -259,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         bench_decode(
             device, torch.bfloat16, 256, 1024, 9, 3, 64, 16, copy_gbs, gen
         )  # the bundled SmolLM2 shape
-        from tokenmill.kernels.gpu_check_tp import check_tensor_parallel
-
-        if not check_tensor_parallel():  # NCCL all-reduce bandwidth, TP=2 parity; skips under 2 GPUs
+        # NCCL all-reduce bandwidth and TP=2 parity run the engine, which kernels/ does not import: its
+        # own process (it skips, passing, under 2 GPUs).
+        tp = subprocess.run([sys.executable, "-m", "tokenmill.engine.bench.gpu_check_tp"], cwd="/")
+        if tp.returncode != 0:
             _failures.append("tensor parallel")
     print(f"{len(_failures)} check(s) failed; took {time.perf_counter() - start:.0f} s")
     return 1 if _failures else 0

@@ -16,7 +16,7 @@ CACHE_CLAIM_SUFFIX = "-model-cache"
 
 
 def model_argument(spec: ServiceSpec) -> str:
-    """What --model gets: the URI as written. The engine (engine/model_source.py) reads every scheme:
+    """What --model gets: the URI as written. The engine (engine/model/source.py) reads every scheme:
     pvc://CLAIM/PATH as MODELS_DIR/CLAIM/PATH, where volumes() mounts the claim; hf:// with its
     @REVISION from the Hub into HF_HOME; file:// and bundled:// from the image."""
     return spec.model_uri

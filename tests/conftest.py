@@ -17,6 +17,6 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> pathlib.Path:
     """The bundled SmolLM2-135M-Instruct, converted once into the user's cache (reused across runs)."""
-    from tokenmill.engine.model_loader import resolve_model
+    from tokenmill.engine.model.resolve import resolve_model
 
     return resolve_model(None)

@@ -33,7 +33,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = pathlib.Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=log_dir)[1])
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "tokenmill.engine.cli.main", "serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
 
@@ -90,7 +90,7 @@ class ServerProcess:
         raise AssertionError(f"{name} = {value} did not satisfy the condition within {timeout_s}s")
 
     def core_pid(self) -> int:
-        """The engine-core child (started with `-m tokenmill.engine.core_proc`)."""
+        """The engine-core child (started with `-m tokenmill.engine.core.proc`)."""
         for entry in pathlib.Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -100,7 +100,7 @@ class ServerProcess:
                 cmdline = (entry / "cmdline").read_bytes()
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == self.proc.pid and b"tokenmill.engine.core_proc" in cmdline:
+            if ppid == self.proc.pid and b"tokenmill.engine.core.proc" in cmdline:
                 return int(entry.name)
         raise AssertionError("no engine-core child process found")
 

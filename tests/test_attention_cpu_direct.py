@@ -1,9 +1,9 @@
-"""engine/attention.py's direct C++ path (the layers after a step's first) against the kernels/ops.py
+"""engine/layers/attention.py's direct C++ path (the layers after a step's first) against the kernels/ops.py
 path it skips: the C++ store_kv against the torch reference, and whole attention layers bit for bit."""
 
 import torch
 from tiny_models import build_step, make_kv_caches
-from tokenmill.engine import attention
+from tokenmill.engine.layers import attention
 from tokenmill.kernels import cpu, reference
 
 torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """`tokenmill bench` rejects bad input with exit code 2 and a message naming the problem."""
 
 import pytest
-from tokenmill.engine.bench.cli import main
+from tokenmill.engine.cli.bench import main
 
 
 @pytest.mark.parametrize(

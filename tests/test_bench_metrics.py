@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from tokenmill.engine.bench.serve_metrics import (
+from tokenmill.engine.bench.serve_stats import (
     RequestFuncOutput,
     arrival_times,
     calculate_metrics,

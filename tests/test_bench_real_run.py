@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-from tokenmill.engine.bench.cli import main
-from tokenmill.engine.model_loader import resolve_model
+from tokenmill.engine.cli.bench import main
+from tokenmill.engine.model.resolve import resolve_model
 
 # Output lengths 3, 7, 2, 5, 4. By hand, with 2 slots: static batches [3,7] [2,5] [4] run 7 + 5 + 4 = 16
 # steps; continuous batching (a slot refills the step after it frees) runs A: 3, 2, 5 (10 steps) and

@@ -36,7 +36,7 @@ def test_machine_measurements_are_positive_and_sane():
 
 def test_model_shape_of_the_bundled_model():
     from tokenmill.engine.bench.roofline import model_shape
-    from tokenmill.engine.model_loader import resolve_model
+    from tokenmill.engine.model.resolve import resolve_model
 
     shape = model_shape(str(resolve_model(None)))
     # SmolLM2-135M: the published parameter count and attention shape

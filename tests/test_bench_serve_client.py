@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.bench.datasets import BenchRequest
 from tokenmill.engine.bench.serve import run_serve_benchmark
-from tokenmill.engine.bench.serve_metrics import arrival_times
+from tokenmill.engine.bench.serve_stats import arrival_times
 
 FIRST_DELAY = 0.05
 GAP = 0.02

@@ -1,10 +1,11 @@
-"""engine/cpu_decoder.py: a bf16 step's layers after the first in one C++ call give the Python layer loop's
+"""engine/models/llama_cpu_decoder.py: a bf16 step's layers after the first in one C++ call give the Python layer loop's
 tokens and logprobs bit for bit, on the bundled model, at batch sizes that take each linear kernel."""
 
 import pytest
 import torch
-from tokenmill.engine import LLM, SamplingParams, cpu_decoder
-from tokenmill.engine.layers import bf16_codes_wanted
+from tokenmill.engine import LLM, SamplingParams
+from tokenmill.engine.layers.cpu_gemm_policy import bf16_codes_wanted
+from tokenmill.engine.models import llama_cpu_decoder
 from tokenmill.kernels import cpu
 
 torch.set_num_threads(1)
@@ -19,21 +20,21 @@ def _loop_expected() -> bool:
 @pytest.fixture(scope="module")
 def llm_bf16():
     # Where the CPU has the codes kernels the loop must be on; elsewhere the test checks the Python path.
-    assert cpu_decoder.fused_layers_enabled() == _loop_expected()
+    assert llama_cpu_decoder.fused_layers_enabled() == _loop_expected()
     return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False)
 
 
 def _generate(llm, prompts, fused: bool, monkeypatch) -> tuple[list, list[int]]:
     calls = []
-    run = cpu_decoder.run_layers
+    run = llama_cpu_decoder.run_layers
 
     def counting(*args, **kwargs):
         calls.append(args[2].shape[0])
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_decoder, "run_layers", counting)
+    monkeypatch.setattr(llama_cpu_decoder, "run_layers", counting)
     if not fused:
-        monkeypatch.setattr(cpu_decoder, "step_fits", lambda hidden, rope, md: False)
+        monkeypatch.setattr(llama_cpu_decoder, "step_fits", lambda hidden, rope, md: False)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     monkeypatch.undo()

@@ -3,8 +3,9 @@
 import itertools
 
 import pytest
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.model_loader import load_tokenizer, resolve_model
+from tokenmill.engine.frontend.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.model.resolve import resolve_model
+from tokenmill.engine.model.tokenizer import load_tokenizer
 from tokenmill.engine.sampling_params import SamplingParams
 
 TEXT = "Café déjà vu: 日本語のテキスト 🎉🚀 and Ünïcödé ✓ done"

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 import torch
 from tokenmill.engine import LLM, SamplingParams
-from tokenmill.engine.model_loader import resolve_model
+from tokenmill.engine.model.resolve import resolve_model
 
 from tests.tiny_models import make_tiny_model
 
@@ -213,7 +213,7 @@ def test_bad_input_raises_clear_errors_and_leaks_nothing(llm_fp32) -> None:
 
 
 def test_pool_too_small_for_one_sequence_names_the_numbers(monkeypatch) -> None:
-    import tokenmill.engine.engine_core as core
+    import tokenmill.engine.worker.worker as core  # where weights are loaded
 
     def must_not_load(*a, **k):
         raise AssertionError("weights were loaded before the pool size was checked")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.frontend.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
 
 from tests.tiny_models import make_tiny_model

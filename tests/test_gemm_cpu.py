@@ -8,7 +8,8 @@ loaded fp32 rows. So these tests use torch.equal, not a tolerance.
 import pytest
 import torch
 from quantized_weights import quantized_weight
-from tokenmill.engine.layers import CPU_PACKED_MAX_ROWS, Linear, fp32_linear_ops, pack_cpu_weight
+from tokenmill.engine.layers.cpu_gemm_policy import CPU_PACKED_MAX_ROWS, fp32_linear_ops
+from tokenmill.engine.layers.linear import Linear, pack_cpu_weight
 from tokenmill.engine.models.llama import VocabParallelEmbedding
 
 CPU = torch.device("cpu")
@@ -144,8 +145,8 @@ def test_a_tied_embedding_without_its_fp32_matrix_looks_rows_up_in_the_codes() -
 
 
 def test_the_bundled_model_keeps_no_fp32_copy_of_its_quantized_weights(bundled_model_dir) -> None:
+    from tokenmill.engine.model.loader import load_model
     from tokenmill.engine.model_config import load_model_config
-    from tokenmill.engine.model_loader import load_model
 
     config = load_model_config(bundled_model_dir)
     model = load_model(bundled_model_dir, config, torch.float32, "cpu")

@@ -1,20 +1,20 @@
-"""Default sampling from the model's generation config (engine/generation_config.py) and how requests
-override it (engine/entrypoints/request_params.py). No model: folders written here, requests built
+"""Default sampling from the model's generation config (engine/frontend/generation_config.py) and how requests
+override it (engine/server/request_params.py). No model: folders written here, requests built
 with the real protocol classes. The real-server check (README's example) is in test_server_openai.py."""
 
 import json
 import types
 
 import pytest
-from tokenmill.engine.entrypoints import serve_cli
-from tokenmill.engine.entrypoints.errors import OpenAIError
-from tokenmill.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.engine.entrypoints.request_params import (
+from tokenmill.engine.cli import serve as serve_cli
+from tokenmill.engine.frontend.generation_config import default_sampling_params, describe, parse_override
+from tokenmill.engine.server.errors import OpenAIError
+from tokenmill.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.engine.server.request_params import (
     chat_sampling_params,
     completion_sampling_params,
     finish_params,
 )
-from tokenmill.engine.generation_config import default_sampling_params, describe, parse_override
 
 QWEN_LIKE = {  # the shape of Qwen2.5-Instruct's generation_config.json
     "bos_token_id": 151643,

@@ -1,11 +1,11 @@
-"""The CPU KV pool is advised onto transparent huge pages (engine/huge_pages.py): where Linux offers them
+"""The CPU KV pool is advised onto transparent huge pages (engine/worker/huge_pages.py): where Linux offers them
 for madvise, the pool's memory must really be backed by 2 MB pages, and the switch must turn that off."""
 
 import pathlib
 
 import pytest
 import torch
-from tokenmill.engine.huge_pages import zeros_huge_pages
+from tokenmill.engine.worker.huge_pages import zeros_huge_pages
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

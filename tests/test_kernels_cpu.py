@@ -111,7 +111,7 @@ def test_disabled_by_environment(monkeypatch):
 
 def test_engine_attention_checks_the_first_layer_of_a_step():
     """The engine validates a step's metadata once (first layer), then skips the checks."""
-    from tokenmill.engine.attention import AttentionMetadata, paged_attention
+    from tokenmill.engine.layers.attention import AttentionMetadata, paged_attention
 
     q, k_cache, v_cache, table, seq_lens = decode_batch([5, 9], 16, 1, 2, 64, torch.float32)
     k = torch.randn(2, 1, 64)

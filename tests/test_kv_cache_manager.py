@@ -6,7 +6,7 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
 

@@ -5,16 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import make_tiny_model
-from tokenmill.engine.layers import (
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    can_prepack,
-    prepack_weight,
-    silu_and_mul,
-)
+from tokenmill.engine.layers.activation import silu_and_mul
+from tokenmill.engine.layers.cpu_gemm_policy import can_prepack
+from tokenmill.engine.layers.layernorm import RMSNorm
+from tokenmill.engine.layers.linear import Linear, prepack_weight
+from tokenmill.engine.layers.rotary_embedding import RotaryEmbedding
+from tokenmill.engine.model.loader import load_model
 from tokenmill.engine.model_config import load_model_config
-from tokenmill.engine.model_loader import load_model
 from tokenmill.kernels import cpu
 
 torch.set_num_threads(1)

@@ -10,14 +10,14 @@ batches on oneDNN's prepacked bf16 weights.
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenmill.engine.layers import (
-    Linear,
+from tokenmill.engine.layers.cpu_gemm_policy import (
     amx_codes_supported,
     amx_dequant_min_rows,
     bf16_codes_max_rows,
     bf16_codes_wanted,
     can_prepack,
 )
+from tokenmill.engine.layers.linear import Linear
 
 CPU = torch.device("cpu")
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at"]
@@ -97,7 +97,7 @@ def test_bf16_engine_keeps_codes_and_agrees_with_the_fp32_engine() -> None:
     want_next = _next_tokens(fp32, prefixes)
     del fp32
     llm = LLM(dtype="bfloat16", max_model_len=256, num_kv_blocks=48)
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.executor.worker.runner.model
     assert next(model.parameters()).dtype == torch.bfloat16
     linears = [m for m in model.model.modules() if isinstance(m, Linear)]
     if bf16_codes_wanted(CPU, torch.bfloat16):
@@ -123,7 +123,8 @@ def test_bf16_engine_keeps_codes_and_agrees_with_the_fp32_engine() -> None:
 
 
 def test_the_codes_kernel_takes_bf16_rows_and_rounds_the_fp32_sums_once() -> None:
-    from tokenmill.engine.layers import codes_weight, fp32_linear_ops
+    from tokenmill.engine.layers.cpu_gemm_policy import fp32_linear_ops
+    from tokenmill.engine.layers.linear import codes_weight
 
     if fp32_linear_ops(CPU, torch.float32) is None:
         pytest.skip("needs an AVX2 + FMA CPU and the C++ kernels")

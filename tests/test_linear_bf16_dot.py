@@ -14,13 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from quantized_weights import quantized_weight
-from tokenmill.engine.layers import (
-    amx_codes_supported,
-    bf16_codes_weight,
-    bf16_dot_supported,
-    codes_weight,
-    nibble_codes,
-)
+from tokenmill.engine.layers.cpu_gemm_policy import amx_codes_supported, bf16_dot_supported
+from tokenmill.engine.layers.linear import bf16_codes_weight, codes_weight, nibble_codes
 from tokenmill.kernels import cpu as cpu_kernels
 
 CPU = torch.device("cpu")

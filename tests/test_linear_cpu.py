@@ -8,8 +8,9 @@ odd K, every row-tile remainder, row blocks, bias, and the argument checks.
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenmill.engine.layers import CPU_PACKED_MAX_ROWS, Linear, fp32_linear_ops, pack_cpu_weight
-from tokenmill.engine.weight_blocks import find_weight_blocks
+from tokenmill.engine.layers.cpu_gemm_policy import CPU_PACKED_MAX_ROWS, fp32_linear_ops
+from tokenmill.engine.layers.linear import Linear, pack_cpu_weight
+from tokenmill.engine.layers.weight_codes import find_weight_codes
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -108,7 +109,7 @@ def _gguf_like(n: int, k: int, kind: str, g: torch.Generator) -> torch.Tensor:
 def test_integer_blocks_rebuild_the_weight_and_give_the_panels_result_bit_for_bit(kind: str) -> None:
     g = torch.Generator().manual_seed(5)
     w = _gguf_like(50, 96, kind, g)
-    found = find_weight_blocks(w)
+    found = find_weight_codes(w)
     assert found is not None
     rebuilt = found.scales.repeat_interleave(32, 1).double() * found.codes.double()
     rebuilt += found.mins.repeat_interleave(32, 1).double()
@@ -125,13 +126,13 @@ def test_integer_blocks_rebuild_the_weight_and_give_the_panels_result_bit_for_bi
 
 def test_weights_without_an_exact_block_form_stay_fp32() -> None:
     g = torch.Generator().manual_seed(6)
-    assert find_weight_blocks(torch.randn(64, 96, generator=g)) is None  # never quantized
+    assert find_weight_codes(torch.randn(64, 96, generator=g)) is None  # never quantized
     w = _gguf_like(64, 96, "q4_1", g)
-    assert find_weight_blocks(w) is not None
+    assert find_weight_codes(w) is not None
     w[10, 40] = torch.nextafter(w[10, 40], torch.tensor(1.0))  # one weight off by one ulp
-    assert find_weight_blocks(w) is None
+    assert find_weight_codes(w) is None
     assert pack_cpu_weight(w).fp32 is not None
-    assert find_weight_blocks(torch.zeros(8, 33)) is None  # K not a multiple of 32
+    assert find_weight_codes(torch.zeros(8, 33)) is None  # K not a multiple of 32
 
 
 def test_kernels_run_on_torchs_openmp_threads_and_results_do_not_depend_on_them() -> None:

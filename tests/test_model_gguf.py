@@ -8,9 +8,12 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from tokenmill.engine import gguf_convert
+from tokenmill.engine.model import gguf_convert
+from tokenmill.engine.model.bundled import bundled_gguf_path
+from tokenmill.engine.model.loader import load_model
+from tokenmill.engine.model.resolve import resolve_model
+from tokenmill.engine.model.tokenizer import load_tokenizer
 from tokenmill.engine.model_config import load_model_config
-from tokenmill.engine.model_loader import bundled_gguf_path, load_model, load_tokenizer, resolve_model
 
 from tests.test_model_llama import _forward_all, _hf_logits, _hf_model, _ours
 from tests.tiny_models import make_tiny_model

@@ -8,9 +8,10 @@ import pathlib
 
 import pytest
 import torch
-from tokenmill.engine.layers import fp32_linear_ops
+from tokenmill.engine.layers.cpu_gemm_policy import fp32_linear_ops
+from tokenmill.engine.model.loader import load_model
+from tokenmill.engine.model.tokenizer import load_tokenizer
 from tokenmill.engine.model_config import load_model_config
-from tokenmill.engine.model_loader import load_model, load_tokenizer
 
 from tests.tiny_models import TINY_ARCHS, build_step, make_kv_caches, make_tiny_model
 

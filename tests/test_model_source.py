@@ -1,4 +1,4 @@
-"""Model sources (engine/model_source.py): URI parsing, and hub downloads by the real huggingface_hub
+"""Model sources (engine/model/source.py): URI parsing, and hub downloads by the real huggingface_hub
 client from the Hub stand-in (tests/hub_standin.py) via HF_ENDPOINT, counted by the stand-in."""
 
 import json
@@ -8,12 +8,8 @@ import shutil
 import pytest
 from hub_standin import HubStandin
 from tiny_models import make_tiny_model
-from tokenmill.engine.model_source import (
-    ALLOW_PATTERNS,
-    ModelSourceError,
-    download_hf,
-    parse_model_source,
-)
+from tokenmill.engine.model.hub_download import download_hf
+from tokenmill.engine.model.source import ALLOW_PATTERNS, ModelSourceError, parse_model_source
 
 
 # ---- parsing -----------------------------------------------------------------------------------
@@ -61,7 +57,7 @@ def test_bad_uris_say_what_is_wrong(uri, revision, message) -> None:
 
 
 def test_missing_local_sources_name_the_path(tmp_path, monkeypatch) -> None:
-    from tokenmill.engine.model_loader import resolve_model
+    from tokenmill.engine.model.resolve import resolve_model
 
     monkeypatch.setenv("TOKENMILL_PVC_ROOT", str(tmp_path))
     with pytest.raises(

@@ -10,7 +10,7 @@ import pytest
 from conftest_server import REPO, ServerProcess
 from hub_standin import HubStandin
 from tiny_models import make_tiny_model
-from tokenmill.engine.entrypoints import serve_cli
+from tokenmill.engine.cli import serve as serve_cli
 
 PROMPT = "The capital of France is"
 
@@ -41,7 +41,7 @@ def _tokenmill(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     import os
 
     full = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    cmd = [sys.executable, "-m", "tokenmill.engine.cli", *args]
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli.main", *args]
     return subprocess.run(cmd, env=full, cwd=REPO / "tests", capture_output=True, text=True, timeout=600)
 
 

@@ -194,7 +194,7 @@ def test_prefix_caching_off_and_explicit_numbers():
 
 
 def test_args_parse_with_the_real_server_parser():
-    from tokenmill.engine.entrypoints.serve_cli import build_parser
+    from tokenmill.engine.cli.serve import build_parser
 
     _spec, p, dep = build(smol(engine={"enablePrefixCaching": False, "maxNumSeqs": 32},
                               apiKeySecretRef={"name": "k"}))
@@ -278,8 +278,8 @@ def test_probe_paths_are_served_by_the_engine_without_credentials():
     import asyncio
 
     import httpx
-    from tokenmill.engine.entrypoints.api_server import build_app
-    from tokenmill.engine.entrypoints.server_state import ServerState
+    from tokenmill.engine.server.app import build_app
+    from tokenmill.engine.server.state import ServerState
 
     _, _, dep = build(smol())
     c = container(dep)

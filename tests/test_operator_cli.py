@@ -7,7 +7,7 @@ import sys
 import threading
 
 import pytest
-from tokenmill.engine.cli import main as tokenmill
+from tokenmill.engine.cli.main import main as tokenmill
 from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES
 from tokenmill.operator.sizing import plan
 
@@ -139,7 +139,7 @@ def test_operator_process_refuses_to_start_without_the_crd(tmp_path):
                       f"{server.server_address[1]}'}}}}]\nusers: [{{name: u, user: {{token: t}}}}]\n"
                       "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n")
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-        proc = subprocess.run([PY, "-m", "tokenmill.engine.cli", "operator", "--kubeconfig", str(kc), "-n", "team-a"],
+        proc = subprocess.run([PY, "-m", "tokenmill.engine.cli.main", "operator", "--kubeconfig", str(kc), "-n", "team-a"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     finally:
         server.shutdown()

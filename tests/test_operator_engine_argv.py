@@ -1,6 +1,6 @@
 """Every argument the operator writes is one the engine accepts: for each InferenceService in examples/,
 the operator's reconcile builds the engine pod, and the real `tokenmill serve --check` runs with the
-pod's own command, arguments and environment (engine/preflight.py: model source, architecture,
+pod's own command, arguments and environment (engine/core/preflight.py: model source, architecture,
 max_model_len, the KV pool from --kv-cache-memory). hf:// models come from the Hub stand-in through
 the HF_ENDPOINT the operator passes on.
 
@@ -88,7 +88,7 @@ def run_check_process(container: dict, tmp_path: pathlib.Path) -> subprocess.Com
 
 def run_check(container: dict, tmp_path: pathlib.Path, monkeypatch, capsys, args: list[str] | None = None):
     """The same check in this process (what `tokenmill serve` calls), to spare a torch import per case."""
-    from tokenmill.engine.entrypoints import serve_cli
+    from tokenmill.engine.cli import serve as serve_cli
 
     for name, value in pod_env(container, tmp_path).items():
         monkeypatch.setenv(name, value)

@@ -135,7 +135,7 @@ def test_leaderworkerset_groups_leader_and_workers():
 
 def test_engine_accepts_the_group_arguments():
     """The contract with the engine, executed: the real server parser takes the leader's and worker's argv."""
-    from tokenmill.engine.entrypoints.serve_cli import build_parser
+    from tokenmill.engine.cli.serve import build_parser
 
     parser = build_parser()
     spec = parse_inference_service(_isvc(BIG_SPEC))

@@ -3,9 +3,11 @@ output equal to the cumulative final, for text with multi-byte characters, stop 
 tokens, logprobs and n > 1. Real bundled tokenizer; the engine core's outputs are written by hand."""
 
 import pytest
-from tokenmill.engine.model_loader import load_tokenizer, resolve_model
-from tokenmill.engine.output_processor import OutputProcessor, merge_delta
-from tokenmill.engine.outputs import EngineCoreOutput, RequestOutputKind
+from tokenmill.engine.core import EngineCoreOutput
+from tokenmill.engine.frontend.output_processor import OutputProcessor, merge_delta
+from tokenmill.engine.model.resolve import resolve_model
+from tokenmill.engine.model.tokenizer import load_tokenizer
+from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 TEXT = "Café déjà vu: 日本語のテキスト 🎉🚀 and Ünïcödé ✓ done, and then some more words"

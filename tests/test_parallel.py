@@ -14,13 +14,18 @@ from conftest_server import free_port
 from tiny_models import make_tiny_model
 from tokenmill.engine import kv_memory
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.core import EngineCoreRequest
+from tokenmill.engine.core.engine_core import EngineCore
+from tokenmill.engine.distributed.parallel_state import (
+    kv_head_range,
+    layer_range,
+    validate_parallel,
+    vocab_shard,
+)
+from tokenmill.engine.distributed.shm_broadcast import ShmRing
 from tokenmill.engine.model_config import load_model_config
-from tokenmill.engine.outputs import EngineCoreRequest
-from tokenmill.engine.parallel_state import kv_head_range, layer_range, validate_parallel, vocab_shard
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.shm_broadcast import ShmRing
-from tokenmill.engine.step_input import StepInput, pack, unpack
+from tokenmill.engine.worker.step_input import StepInput, pack, unpack
 
 # A rank's first forward (C++ kernels loading) can take a minute on a loaded 2-core machine.
 COLLECTIVE_TIMEOUT_S = 300
@@ -141,7 +146,7 @@ def test_bad_splits_are_refused_with_the_numbers(bundled_model_dir):
     ],
 )  # fmt: skip
 def test_serve_check_refuses_the_splits_the_engine_refuses(bundled_model_dir, capsys, argv, message):
-    from tokenmill.engine.entrypoints import serve_cli
+    from tokenmill.engine.cli import serve as serve_cli
 
     assert serve_cli.main(["--check", "--model", str(bundled_model_dir), "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -149,7 +154,7 @@ def test_serve_check_refuses_the_splits_the_engine_refuses(bundled_model_dir, ca
 
 
 def test_serve_check_sizes_the_pool_per_rank(bundled_model_dir, capsys):
-    from tokenmill.engine.entrypoints import serve_cli
+    from tokenmill.engine.cli import serve as serve_cli
 
     argv = ["--check", "--model", str(bundled_model_dir), "--device", "cpu", "--dtype", "float32", "--max-model-len", "256"]
     budget = kv_memory.kv_bytes_per_token(30, 3, 64, "float32", 3) * 16 * 100  # 100 blocks per rank at T=3
@@ -161,7 +166,7 @@ def test_serve_check_sizes_the_pool_per_rank(bundled_model_dir, capsys):
 
 
 def test_serve_refuses_ranks_that_do_not_split_over_the_nodes_while_parsing(capsys):
-    from tokenmill.engine.entrypoints import serve_cli
+    from tokenmill.engine.cli import serve as serve_cli
 
     with pytest.raises(SystemExit) as e:
         serve_cli.main(["--check", "--tensor-parallel-size", "3", "--nnodes", "2"])
@@ -257,24 +262,24 @@ def test_liveness_connection_names_the_rank_and_shows_when_it_closes():
     import socket
 
     import torch.distributed as dist
-    from tokenmill.engine import parallel_liveness
+    from tokenmill.engine.distributed import liveness
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
-    server = parallel_liveness.listen(store)
+    server = liveness.listen(store)
     try:
         stray = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
         stray.sendall(b"hello there\n")
         with pytest.raises(ValueError, match=r"sent b'hello there\\n', not 'rank host pid'"):
-            parallel_liveness.accept_one(server)
-        conn = parallel_liveness.connect(store, "127.0.0.1", 5, timeout_s=30)
-        remote = parallel_liveness.accept_one(server)
+            liveness.accept_one(server)
+        conn = liveness.connect(store, "127.0.0.1", 5, timeout_s=30)
+        remote = liveness.accept_one(server)
         host, pid = socket.gethostname(), os.getpid()
         assert remote.describe() == f"parallel rank 5 on host {host} (127.0.0.1, pid {pid})"
-        assert not parallel_liveness.is_closed(remote.conn)
+        assert not liveness.is_closed(remote.conn)
         conn.close()  # what the kernel does when the rank's process dies
         assert remote.conn.recv(1) == b""
-        assert parallel_liveness.is_closed(remote.conn)
+        assert liveness.is_closed(remote.conn)
     finally:
         server.close()
 
@@ -283,14 +288,14 @@ def test_liveness_connection_that_cannot_reach_the_leader_says_where_it_dialled(
     import datetime
 
     import torch.distributed as dist
-    from tokenmill.engine import parallel_liveness
+    from tokenmill.engine.distributed import liveness
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=datetime.timedelta(seconds=30))
     closed = free_port()  # nothing listens there
-    store.set(parallel_liveness.STORE_KEY, str(closed))
+    store.set(liveness.STORE_KEY, str(closed))
     message = f"rank 3 could not open its liveness connection to the leader at 127.0.0.1:{closed}"
     with pytest.raises(ConnectionError, match=message):
-        parallel_liveness.connect(store, "127.0.0.1", 3, timeout_s=5)
+        liveness.connect(store, "127.0.0.1", 3, timeout_s=5)
 
 
 def test_a_rank_that_just_died_is_logged_with_its_exit_code_while_the_watchdog_polls_it() -> None:
@@ -302,7 +307,7 @@ def test_a_rank_that_just_died_is_logged_with_its_exit_code_while_the_watchdog_p
     import sys
     import time
 
-    from tokenmill.engine.parallel_executor import RankWatchdog
+    from tokenmill.engine.executor.multiproc import RankWatchdog
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     watchdog = RankWatchdog({1: proc})
@@ -339,7 +344,7 @@ def test_a_rank_dying_just_after_the_failed_step_is_logged_with_its_exit_code() 
     import subprocess
     import sys
 
-    from tokenmill.engine.parallel_executor import DEATH_GRACE_S, RankWatchdog
+    from tokenmill.engine.executor.multiproc import DEATH_GRACE_S, RankWatchdog
 
     proc = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"])
     stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -5,7 +5,7 @@ agreement collectives (parallel_state.all_ranks_ok / same_on_all_ranks) and a st
 capture: an all-reduce (what the eager warm-up forward before each capture does), then a failure on
 rank 1 at one size. Without the agreement rank 0 would go on to the next size and wait in its
 all-reduce for a rank that gave up (here it fails after WARMUP_TIMEOUT_S and the rank exits 1). The
-real capture of a model with NCCL all-reduces inside is kernels/gpu_check_tp.py's job (needs 2 GPUs).
+real capture of a model with NCCL all-reduces inside is engine/bench/gpu_check_tp.py's job (needs 2 GPUs).
 """
 
 import json
@@ -32,8 +32,8 @@ RANK_SCRIPT = """
 import datetime, json, os, sys
 import torch
 import torch.distributed as dist
-from tokenmill.engine.cuda_graphs import capture_all
-from tokenmill.engine.parallel_state import ParallelState, all_ranks_ok, same_on_all_ranks
+from tokenmill.engine.worker.cuda_graphs import capture_all
+from tokenmill.engine.distributed.parallel_state import ParallelState, all_ranks_ok, same_on_all_ranks
 
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 scenarios, warmup_timeout = json.loads(sys.argv[3]), float(sys.argv[4])

@@ -76,7 +76,7 @@ def _rank_pids(parent: int) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"tokenmill.engine.parallel_worker" in cmd:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"tokenmill.engine.worker.rank_main" in cmd:
             pids.append(int(entry))
     return pids
 
@@ -128,7 +128,7 @@ def _leader_and_worker(tiny, tmp_path) -> tuple[ServerProcess, subprocess.Popen,
     # The worker gets no --port: a headless node serves no HTTP (asserted below by the leader's port
     # being the only one answering and by the worker's log).
     worker = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--headless", "--model", str(tiny),
+        [sys.executable, "-m", "tokenmill.engine.cli.main", "serve", "--headless", "--model", str(tiny),
          "--tensor-parallel-size", "2", "--dist-port", str(port), "--collective-timeout", str(COLLECTIVE_TIMEOUT_S)],
         env={**os.environ, "OMP_NUM_THREADS": "1", **lws, "LWS_WORKER_INDEX": "1"},
         stdout=worker_log, stderr=subprocess.STDOUT, cwd=REPO,

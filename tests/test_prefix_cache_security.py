@@ -9,9 +9,9 @@ import pathlib
 
 import pytest
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
-from tokenmill.engine.outputs import EngineCoreRequest
+from tokenmill.engine.core import EngineCoreRequest
+from tokenmill.engine.core.engine_core import EngineCore
+from tokenmill.engine.core.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -151,9 +151,9 @@ def test_forged_collision_cannot_change_output(tiny_model, with_identity) -> Non
     run(core, "honest", honest)  # the victim's first block is cached honestly
     attacker_blocks = [core.kv.cached[h] for h in core.kv.block_hashes(make_req("x", attacker), 2)]
     forge(core, victim, attacker_blocks, with_identity)
-    before = core.counters.prefix_cache_hit_tokens
+    before = core.scheduler.counters.prefix_cache_hit_tokens
     got = run(core, "v", victim)
-    hit_tokens = core.counters.prefix_cache_hit_tokens - before
+    hit_tokens = core.scheduler.counters.prefix_cache_hit_tokens - before
     # Prefix caching changes GEMM shapes, so logprobs agree to float32 rounding, not bit for bit.
     drift = max(abs(a[1] - b[1]) for a, b in zip(got, reference, strict=True))
     if not with_identity:

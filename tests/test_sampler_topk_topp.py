@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampler import Sampler, _candidates, _full_sort_probs, _num_candidates
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.sampler import Sampler, _candidates, _full_sort_probs, _num_candidates
 
 VOCAB = 2048
 MARGIN = 2e-6  # rows whose top-p / min-p boundary is this close to the threshold are float-ambiguous

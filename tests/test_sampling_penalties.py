@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.sampler import Sampler
 
 VOCAB = 8
 EPS = 1e-3

@@ -1,10 +1,10 @@
 """Scheduler decisions on a real KVCacheManager, without a model: what the queue does when blocks are short."""
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.core.kv_cache_manager import KVCacheManager
+from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import Scheduler
 
 BS = 4
 

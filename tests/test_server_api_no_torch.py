@@ -1,6 +1,6 @@
 """The API process of a real `tokenmill serve` (bundled model) never loads torch: the engine core, its
 child, runs the model; the API process tokenizes, renders chat templates, detokenizes and serves HTTP.
-Torch there would cost about 500 MB of RSS per replica (engine/model_files.py says how it is avoided).
+Torch there would cost about 500 MB of RSS per replica (engine/model/resolve.py says how it is avoided).
 """
 
 import json

@@ -112,8 +112,8 @@ def test_killed_core_fails_both_probes_and_exits_nonzero(server):
 
 def test_probe_answers_for_each_server_state() -> None:
     """The decision table without a server (the real-server tests above cover stall and death)."""
-    from tokenmill.engine.entrypoints.health import HealthConfig, liveness, readiness
-    from tokenmill.engine.entrypoints.server_state import ServerState
+    from tokenmill.engine.server.health import HealthConfig, liveness, readiness
+    from tokenmill.engine.server.state import ServerState
 
     cfg = HealthConfig(readiness_stall_s=READY_S, liveness_stall_s=LIVE_S)
     expected = {"loading": (503, 200), "ready": (200, 200), "draining": (503, 200), "dead": (503, 503),

@@ -10,13 +10,13 @@ import time
 
 import httpx
 import pytest
-from tokenmill.engine.async_llm import AsyncLLM, RequestAbortedError, RequestRejectedError
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core_client import EngineDeadError, InprocClient
-from tokenmill.engine.entrypoints.api_server import build_app
-from tokenmill.engine.entrypoints.metrics import ServerMetrics
-from tokenmill.engine.entrypoints.server_state import ServerState
+from tokenmill.engine.core.client import EngineDeadError, InprocClient
+from tokenmill.engine.frontend.async_llm import AsyncLLM, RequestAbortedError, RequestRejectedError
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.server.app import build_app
+from tokenmill.engine.server.prometheus import ServerMetrics
+from tokenmill.engine.server.state import ServerState
 
 # engine.md's greedy fp32 continuation of "Once upon a time"
 ONCE_UPON = (
@@ -34,7 +34,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(loop, bundled_model_dir):
-    from tokenmill.engine.model_loader import load_tokenizer
+    from tokenmill.engine.model.tokenizer import load_tokenizer
 
     config = EngineConfig(model=str(bundled_model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64)
     client = InprocClient(config)

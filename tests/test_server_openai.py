@@ -42,7 +42,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer(bundled_model_dir):
-    from tokenmill.engine.model_loader import load_tokenizer
+    from tokenmill.engine.model.tokenizer import load_tokenizer
 
     return load_tokenizer(bundled_model_dir)
 
@@ -321,7 +321,7 @@ WEATHER_TOOL = {
 
 def test_tools_reach_the_prompt_and_a_tool_result_turn_is_accepted(server, client):
     """The bundled ChatML template ignores `tools`: they go into the system message, calls and results
-    into the history as Hermes text (tool_request.py). tool_choice auto needs no grammar."""
+    into the history as Hermes text (server/tools/request.py). tool_choice auto needs no grammar."""
     history = [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",

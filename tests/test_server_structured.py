@@ -2,7 +2,7 @@
 the official openai client: parse() with pydantic models (nested objects, arrays, enums, patterns),
 plain and streamed; tool_choice "required" and a named function return calls whose arguments validate
 against the function's schema (checked here with jsonschema, not by the server); the vLLM extras and
-an invalid schema's 400. Needs the grammar engine (engine/structured_output.py): skipped without it."""
+an invalid schema's 400. Needs the grammar engine (engine/structured_output/grammar.py): skipped without it."""
 
 import json
 from enum import StrEnum
@@ -14,7 +14,7 @@ import pytest
 from conftest_server import serving, wait_idle
 from pydantic import BaseModel, Field
 
-pytest.importorskip("tokenmill.engine.structured_output")
+pytest.importorskip("tokenmill.engine.structured_output.grammar")
 
 MODEL = "smollm2-135m-instruct"
 CITY = {

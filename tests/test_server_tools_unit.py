@@ -7,10 +7,10 @@ import json
 
 import jsonschema
 import pytest
-from tokenmill.engine.entrypoints.errors import OpenAIError
-from tokenmill.engine.entrypoints.structured_request import request_structured_outputs
-from tokenmill.engine.entrypoints.tool_parser import CallDelta, ToolCallStreamer, accumulate, parse_tool_calls
-from tokenmill.engine.entrypoints.tool_request import (
+from tokenmill.engine.server.errors import OpenAIError
+from tokenmill.engine.server.structured_request import request_structured_outputs
+from tokenmill.engine.server.tools.parser import CallDelta, ToolCallStreamer, accumulate, parse_tool_calls
+from tokenmill.engine.server.tools.request import (
     forcing_constraint,
     history_as_text,
     plan_tools,
@@ -251,8 +251,8 @@ def test_response_format_and_structured_outputs_mapping():
 def test_an_invalid_schema_is_a_400_naming_the_request_field_and_construct(bundled_model_dir):
     import asyncio
 
-    from tokenmill.engine.entrypoints.structured_request import check_compiles
-    from tokenmill.engine.model_loader import load_tokenizer
+    from tokenmill.engine.model.tokenizer import load_tokenizer
+    from tokenmill.engine.server.structured_request import check_compiles
 
     tokenizer = load_tokenizer(bundled_model_dir)
     bad = request_structured_outputs(

@@ -9,18 +9,18 @@ import types
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tokenmill.engine import core_proc, metric_names
-from tokenmill.engine.async_llm import AsyncLLM, QueueFullError
-from tokenmill.engine.core_client import EngineInfo, StepOutputs
-from tokenmill.engine.engine_core import EngineCapacity
-from tokenmill.engine.entrypoints import serve_cli
-from tokenmill.engine.entrypoints.api_server import build_app
-from tokenmill.engine.entrypoints.errors import validation_message
-from tokenmill.engine.entrypoints.metrics import ServerMetrics
-from tokenmill.engine.entrypoints.request_params import resolve_max_tokens
-from tokenmill.engine.entrypoints.server_state import ServerState
-from tokenmill.engine.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.engine import metric_names
+from tokenmill.engine.cli import serve as serve_cli
+from tokenmill.engine.core import EngineCoreOutput, EngineCoreRequest, SchedulerStats, proc, wire
+from tokenmill.engine.core.client import EngineInfo, StepOutputs
+from tokenmill.engine.core.engine_core import EngineCapacity
+from tokenmill.engine.frontend.async_llm import AsyncLLM, QueueFullError
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.server.app import build_app
+from tokenmill.engine.server.errors import validation_message
+from tokenmill.engine.server.prometheus import ServerMetrics
+from tokenmill.engine.server.request_params import resolve_max_tokens
+from tokenmill.engine.server.state import ServerState
 
 CAPACITY = EngineCapacity(
     num_kv_blocks=100, block_size=16, kv_tokens=1600, max_model_len=400, max_num_seqs=8,
@@ -83,23 +83,23 @@ def test_parse_bytes(text, expected):
 def test_wire_format_round_trips_every_message():
     params = SamplingParams(n=2, temperature=0.5, stop=["x"], logit_bias={5: -1.0}, logprobs=2, seed=3)
     req = EngineCoreRequest("r1", [1, 2, 3], params, 12.5, priority=1)
-    kind, back = core_proc.decode(core_proc.encode((core_proc.ADD, req)))
-    assert kind == core_proc.ADD and back == req
+    kind, back = wire.decode(wire.encode((wire.ADD, req)))
+    assert kind == wire.ADD and back == req
 
     outs = [EngineCoreOutput("r1", 1, [7], [(-0.5, [(7, -0.5), (9, -1.25)])], "stop", 7, 16)]
     stats = SchedulerStats(2, 1, 0.25, 1, 32, 16, 40, num_compiling=3, queue_times=[("r1", 0.01)])
-    kind, outs_back, stats_back = core_proc.decode(core_proc.encode((core_proc.OUTPUTS, outs, stats)))
+    kind, outs_back, stats_back = wire.decode(wire.encode((wire.OUTPUTS, outs, stats)))
     assert outs_back == outs and stats_back == stats
     assert isinstance(outs_back[0].new_logprobs[0], tuple) and isinstance(stats_back.queue_times[0], tuple)
 
-    assert core_proc.decode(core_proc.encode((core_proc.READY, CAPACITY, [2]))) == (
-        core_proc.READY,
+    assert wire.decode(wire.encode((wire.READY, CAPACITY, [2]))) == (
+        wire.READY,
         CAPACITY,
         [2],
     )
-    for msg in [(core_proc.ABORT, ["a", "b"]), (core_proc.SHUTDOWN,), (core_proc.REJECT, "r", "too long", True),
-                (core_proc.STARTUP_ERROR, "no model"), (core_proc.FATAL, "boom")]:  # fmt: skip
-        assert core_proc.decode(core_proc.encode(msg)) == msg
+    for msg in [(wire.ABORT, ["a", "b"]), (wire.SHUTDOWN,), (wire.REJECT, "r", "too long", True),
+                (wire.STARTUP_ERROR, "no model"), (wire.FATAL, "boom")]:  # fmt: skip
+        assert wire.decode(wire.encode(msg)) == msg
 
 
 # ---- the busy loop against a fake core -------------------------------------------------------------
@@ -144,19 +144,19 @@ def _run_loop(core, inbox: list[list[tuple]], parent_alive=lambda: True) -> list
 
     def recv(_timeout: float) -> list[tuple]:
         return (
-            inbox.pop(0) if inbox else [(core_proc.SHUTDOWN,)] if not core.has_unfinished_requests() else []
+            inbox.pop(0) if inbox else [(wire.SHUTDOWN,)] if not core.has_unfinished_requests() else []
         )
 
-    assert core_proc.run_busy_loop(core, recv, sent.append, parent_alive) == "shutdown"
+    assert proc.run_busy_loop(core, recv, sent.append, parent_alive) == "shutdown"
     return sent
 
 
 def test_busy_loop_steps_while_work_remains_and_rejects_bad_requests():
     core = FakeCore()
-    inbox = [[(core_proc.ADD, EngineCoreRequest("a", [1], SamplingParams(max_tokens=3), 0.0)),
-              (core_proc.ADD, EngineCoreRequest("bad", [1] * 11, SamplingParams(), 0.0))]]  # fmt: skip
+    inbox = [[(wire.ADD, EngineCoreRequest("a", [1], SamplingParams(max_tokens=3), 0.0)),
+              (wire.ADD, EngineCoreRequest("bad", [1] * 11, SamplingParams(), 0.0))]]  # fmt: skip
     sent = _run_loop(core, inbox)
-    assert sent[0] == (core_proc.REJECT, "bad", "the prompt has 11 tokens, longer than 10", True)
+    assert sent[0] == (wire.REJECT, "bad", "the prompt has 11 tokens, longer than 10", True)
     tokens = [o.new_token_ids[0] for m in sent[1:] for o in m[1]]
     assert tokens == [1, 2, 3] and core.steps == 3
     assert sent[-1][1][0].finish_reason == "length"
@@ -164,19 +164,19 @@ def test_busy_loop_steps_while_work_remains_and_rejects_bad_requests():
 
 def test_busy_loop_reports_zero_usage_after_an_abort_empties_it():
     core = FakeCore()
-    add = (core_proc.ADD, EngineCoreRequest("a", [1], SamplingParams(max_tokens=100), 0.0))
-    inbox = [[add], [(core_proc.ABORT, ["a"])]]
+    add = (wire.ADD, EngineCoreRequest("a", [1], SamplingParams(max_tokens=100), 0.0))
+    inbox = [[add], [(wire.ABORT, ["a"])]]
     sent = _run_loop(core, inbox)
-    assert sent[-1][0] == core_proc.OUTPUTS and sent[-1][1] == []
+    assert sent[-1][0] == wire.OUTPUTS and sent[-1][1] == []
     assert sent[-1][2].kv_cache_usage == 0.0 and sent[-1][2].num_running == 0
     assert core.steps == 1
 
 
 def test_busy_loop_exits_when_the_parent_is_gone(monkeypatch):
-    monkeypatch.setattr(core_proc, "PARENT_CHECK_S", 0.0)
+    monkeypatch.setattr(proc, "PARENT_CHECK_S", 0.0)
     core = FakeCore()
     sent: list[tuple] = []
-    assert core_proc.run_busy_loop(core, lambda _t: [], sent.append, parent_alive=lambda: False) == "orphaned"
+    assert proc.run_busy_loop(core, lambda _t: [], sent.append, parent_alive=lambda: False) == "orphaned"
     assert sent == []
 
 
@@ -384,7 +384,7 @@ def test_a_core_that_steps_without_scheduling_anything_counts_as_stalled():
 def test_a_template_error_is_a_400_on_chat_render_and_tokenize(bundled_model_dir):
     """A chat template that refuses the messages (as Llama-2's does for roles out of order) is the
     client's 400 on every route that renders it; /tokenize answered 500 before."""
-    from tokenmill.engine.model_loader import load_tokenizer
+    from tokenmill.engine.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(bundled_model_dir)
     tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from tokenmill.engine.model_loader import materialize
+from tokenmill.engine.model.loader import materialize
 
 
 def test_materialize_matches_to_empty_and_keeps_shared_tensors_shared() -> None:
@@ -31,7 +31,7 @@ def test_materialize_matches_to_empty_and_keeps_shared_tensors_shared() -> None:
 
 
 def test_gguf_cache_is_keyed_by_content_not_by_path(tmp_path, monkeypatch) -> None:
-    from tokenmill.engine import model_files
+    from tokenmill.engine.model import gguf_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
@@ -39,32 +39,32 @@ def test_gguf_cache_is_keyed_by_content_not_by_path(tmp_path, monkeypatch) -> No
         path.parent.mkdir()
         path.write_bytes(data)
     # Another venv's copy of the same file (another path, another mtime) finds the same conversion.
-    assert model_files.gguf_cache_dir(a) == model_files.gguf_cache_dir(b)
-    assert model_files.gguf_cache_dir(a) != model_files.gguf_cache_dir(c)
+    assert gguf_cache.gguf_cache_dir(a) == gguf_cache.gguf_cache_dir(b)
+    assert gguf_cache.gguf_cache_dir(a) != gguf_cache.gguf_cache_dir(c)
     assert len(list((tmp_path / "cache" / "tokenmill" / "digests").iterdir())) == 3
     # A rewritten file (new mtime) is hashed again, not answered from the memo.
     c.write_bytes(b"GGUF same bytes")
     os.utime(c, ns=(1, 1))
-    assert model_files.gguf_cache_dir(c) == model_files.gguf_cache_dir(a)
+    assert gguf_cache.gguf_cache_dir(c) == gguf_cache.gguf_cache_dir(a)
 
 
 def test_a_conversion_cached_under_the_old_path_key_is_moved_not_redone(tmp_path, monkeypatch) -> None:
-    from tokenmill.engine import model_files
+    from tokenmill.engine.model import gguf_cache, resolve
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not a real GGUF: converting it would fail")
-    legacy = model_files._legacy_gguf_cache_dir(gguf)
+    legacy = gguf_cache._legacy_gguf_cache_dir(gguf)
     legacy.mkdir(parents=True)
     (legacy / "config.json").write_text("{}")
-    folder = model_files.convert_gguf_cached(gguf)
-    assert folder == model_files.gguf_cache_dir(gguf) and (folder / "config.json").read_text() == "{}"
+    folder = gguf_cache.convert_gguf_cached(gguf)
+    assert folder == gguf_cache.gguf_cache_dir(gguf) and (folder / "config.json").read_text() == "{}"
     assert not legacy.exists()
-    assert model_files.resolve_model_if_ready(gguf) == folder
+    assert resolve.resolve_model_if_ready(gguf) == folder
 
 
 def test_resolve_model_if_ready_answers_only_when_no_work_is_needed(tmp_path, monkeypatch) -> None:
-    from tokenmill.engine.model_files import resolve_model_if_ready
+    from tokenmill.engine.model.resolve import resolve_model_if_ready
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tmp_path / "hf"
@@ -115,8 +115,9 @@ def test_a_built_kernel_library_is_loaded_directly_without_cpp_extension(tmp_pat
 
 
 def test_weight_blocks_read_back_from_the_cache_equal_freshly_found_ones(bundled_model_dir, tmp_path, monkeypatch):
-    from tokenmill.engine import block_cache, weight_blocks
-    from tokenmill.engine.model_loader import load_model
+    from tokenmill.engine.layers import weight_codes
+    from tokenmill.engine.model import weight_codes_cache
+    from tokenmill.engine.model.loader import load_model
     from tokenmill.kernels import cpu
 
     if cpu.load() is None:
@@ -125,25 +126,21 @@ def test_weight_blocks_read_back_from_the_cache_equal_freshly_found_ones(bundled
     model = load_model(bundled_model_dir)
     params = dict(model.named_parameters())
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight", "model.layers.29.mlp.down_proj.weight"]
-    fresh = {n: weight_blocks.find_weight_blocks(params[n]) for n in names}  # no cache active
+    fresh = {n: weight_codes.find_weight_codes(params[n]) for n in names}  # no cache active
     assert all(b is not None for b in fresh.values())
 
-    def find_with(cache: block_cache.BlockCache) -> dict:
-        monkeypatch.setattr(weight_blocks, "block_cache", cache)
-        try:
-            return {n: weight_blocks.find_weight_blocks(params[n]) for n in names}
-        finally:
-            monkeypatch.setattr(weight_blocks, "block_cache", None)
+    def find_with(cache: weight_codes_cache.WeightCodesCache) -> dict:
+        return {n: weight_codes.find_weight_codes(params[n], cache) for n in names}
 
-    first = block_cache.open_cache(model, bundled_model_dir, cpu.build_name())
+    first = weight_codes_cache.open_cache(model, bundled_model_dir, cpu.build_name())
     find_with(first)
     assert first.hits == 0 and sorted(first.found) == sorted(names)
-    block_cache.save_cache(first)
-    second = block_cache.open_cache(model, bundled_model_dir, cpu.build_name())
+    weight_codes_cache.save_cache(first)
+    second = weight_codes_cache.open_cache(model, bundled_model_dir, cpu.build_name())
     cached = find_with(second)
     assert second.hits == len(names)
     for n in names:
         for part in ("codes", "scales", "mins"):
             assert torch.equal(getattr(cached[n], part), getattr(fresh[n], part)), (n, part)
     # Other kernel code: another file, so nothing is read back.
-    assert block_cache.open_cache(model, bundled_model_dir, "tokenmill_cpu_other").stored == {}
+    assert weight_codes_cache.open_cache(model, bundled_model_dir, "tokenmill_cpu_other").stored == {}

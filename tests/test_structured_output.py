@@ -52,7 +52,7 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def test_compiler(llm):
-    """This file's own xgrammar compiler (not engine/structured_output.py's)."""
+    """This file's own xgrammar compiler (not engine/structured_output/grammar.py's)."""
     tok = llm.get_tokenizer()
     vocab = llm.engine.core.model_config.vocab_size
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[2])

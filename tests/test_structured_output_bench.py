@@ -2,7 +2,7 @@
 
 import json
 
-from tokenmill.engine.bench.cli import main
+from tokenmill.engine.cli.bench import main
 
 from tests.tiny_models import make_tiny_model
 

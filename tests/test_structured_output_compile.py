@@ -1,4 +1,4 @@
-"""engine/structured_output.py: the API process's validation (a ValueError naming the construct), the
+"""engine/structured_output/grammar.py: the API process's validation (a ValueError naming the construct), the
 LRU keyed by the canonical spec, and compiling in a thread while the caller's thread keeps running."""
 
 import threading
@@ -6,9 +6,10 @@ import time
 
 import pytest
 import xgrammar as xgr
-from tokenmill.engine.model_loader import load_tokenizer, resolve_model
+from tokenmill.engine.model.resolve import resolve_model
+from tokenmill.engine.model.tokenizer import load_tokenizer
 from tokenmill.engine.sampling_params import StructuredOutputsParams as S
-from tokenmill.engine.structured_output import (
+from tokenmill.engine.structured_output.grammar import (
     GrammarCompiler,
     canonical_key,
     compiler_for,

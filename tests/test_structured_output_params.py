@@ -2,8 +2,8 @@
 
 import msgpack
 import pytest
-from tokenmill.engine.core_proc import ADD, decode, encode
-from tokenmill.engine.outputs import EngineCoreRequest
+from tokenmill.engine.core import EngineCoreRequest
+from tokenmill.engine.core.proc import ADD, decode, encode
 from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 

@@ -9,7 +9,7 @@ import pathlib
 import shutil
 
 import torch
-from tokenmill.engine.attention import AttentionMetadata
+from tokenmill.engine.layers.attention import AttentionMetadata
 
 TINY_ARCHS = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -77,7 +77,7 @@ def make_tiny_model(
     Weights are scaled up from HF's init (std 0.02) so logits are far from uniform and greedy decoding
     does not hinge on near-ties.
     """
-    from tokenmill.engine.model_loader import resolve_model
+    from tokenmill.engine.model.resolve import resolve_model
     from transformers import AutoModelForCausalLM
 
     config = _tiny_config(arch, vocab_size=vocab_size or 49152)

@@ -1,5 +1,5 @@
 """`tokenmill bench attention`: the CPU decode attention kernel over a KV pool as big as a model's, on
-normal pages and on transparent huge pages (engine/huge_pages.py), in one process.
+normal pages and on transparent huge pages (engine/worker/huge_pages.py), in one process.
 
 Each "layer" has its own blocks, so a step's reads do not stay in cache (the bundled model has 30 layers:
 64 sequences of 176 tokens are 250 MB of bf16 K/V). Blocks are placed in random order across the pool,
@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import torch
-from tokenmill.engine.huge_pages import zeros_huge_pages
+from tokenmill.engine.worker.huge_pages import zeros_huge_pages
 from tokenmill.kernels import cpu as cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the bundled model's attention

@@ -11,11 +11,12 @@ busy shared machine inflates less than wall time) and each kind's ratio to CUMUL
 import time
 from typing import Any
 
-from tokenmill.engine.entrypoints.protocol import CompletionResponseChoice, CompletionStreamResponse
-from tokenmill.engine.entrypoints.streaming import sse
-from tokenmill.engine.output_processor import OutputProcessor, merge_delta
-from tokenmill.engine.outputs import EngineCoreOutput, RequestOutput, RequestOutputKind
+from tokenmill.engine.core import EngineCoreOutput
+from tokenmill.engine.frontend.output_processor import OutputProcessor, merge_delta
+from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.server.protocol import CompletionResponseChoice, CompletionStreamResponse
+from tokenmill.engine.server.streaming import sse
 
 TEXT = (
     "Once upon a time, the city of Nova Haven was a thriving metropolis, with towering skyscrapers and "

@@ -168,12 +168,12 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
 
 def server_command(engine: str, port: int, hf_dir: str, gguf: str, vllm_bin: str, llama_server: str) -> list[str]:
     if engine == "tokenmill":
-        return [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port), "--max-num-seqs", "64",
+        return [sys.executable, "-m", "tokenmill.engine.cli.main", "serve", "--port", str(port), "--max-num-seqs", "64",
                 "--max-waiting-requests", "0", "--disable-access-log", "--served-model-name", "smollm2"]
     if engine == "vllm":
         return [f"{vllm_bin}/vllm", "serve", hf_dir, "--port", str(port), "--served-model-name", "smollm2",
                 "--dtype", "auto", "--max-num-seqs", "64"]
-    from tokenmill.engine.model_loader import cpu_flags
+    from tokenmill.engine.worker.device import cpu_flags
 
     # On a CPU with AMX, ggml's AMX weight buffers crash this build at the first matmul (SIGSEGV in
     # ggml_backend_amx_mul_mat, 2-vCPU Xeon, 2026-12-02); --no-repack keeps weights in their GGUF
@@ -193,7 +193,7 @@ def run_clients(
         rows += _run_vllm_client(engine, url, vllm_bin, wl, concurrency, num_prompts, out_dir, name)
     if wl.prefix_len == 0 and "tokenmill" in clients:  # our client's random dataset has no shared prefix
         n_in = f"random:{num_prompts}:{wl.input_len}:{wl.output_len}"
-        subprocess.run([sys.executable, "-m", "tokenmill.engine.cli", "bench", "serve", "--base-url", url,
+        subprocess.run([sys.executable, "-m", "tokenmill.engine.cli.main", "bench", "serve", "--base-url", url,
                         "--model", "smollm2", "--dataset", n_in, "--max-concurrency", str(concurrency),
                         "--no-progress", "--json", str(out_dir / f"{name}.tokenmill.json")],
                        check=True, stdout=subprocess.DEVNULL)  # fmt: skip

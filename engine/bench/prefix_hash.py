@@ -12,7 +12,7 @@ import argparse
 import random
 import time
 
-from tokenmill.engine.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
+from tokenmill.engine.core.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
 

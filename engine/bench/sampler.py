@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.sampler import Sampler
 
 CASES = {
     "greedy": SamplingParams(temperature=0.0),

@@ -11,7 +11,7 @@ import time
 
 import httpx
 from tokenmill.engine.bench.datasets import BenchRequest
-from tokenmill.engine.bench.serve_metrics import RequestFuncOutput, arrival_times, calculate_metrics
+from tokenmill.engine.bench.serve_stats import RequestFuncOutput, arrival_times, calculate_metrics
 from tqdm import tqdm
 
 

@@ -56,7 +56,7 @@ def one_start(serve_args: list[str], timeout_s: float) -> dict[str, Any]:
     """Start `tokenmill serve`, wait for /health 200, stop it; the timings of this one start."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}/health"
-    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port), "--disable-access-log",
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli.main", "serve", "--port", str(port), "--disable-access-log",
            *serve_args]  # fmt: skip
     lines: list[tuple[float, str]] = []
     # cwd: not the repository root, whose operator/ package would shadow the standard library's.

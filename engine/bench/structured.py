@@ -63,7 +63,7 @@ def _run(llm: Any, batch: int, max_tokens: int, schema: dict[str, Any] | None) -
 def compile_times(llm: Any, num_properties: int) -> dict[str, Any]:
     """Cold compile of a large schema on a fresh compiler (same tokenizer info), then a cache hit."""
     from tokenmill.engine.sampling_params import StructuredOutputsParams
-    from tokenmill.engine.structured_output import GrammarCompiler
+    from tokenmill.engine.structured_output.grammar import GrammarCompiler
 
     info = llm.engine.core.structured_outputs.compiler().tokenizer_info
     so = StructuredOutputsParams(json=large_schema(num_properties))
@@ -87,7 +87,7 @@ def mask_seconds_per_step(llm: Any, batch: int, reps: int = 20) -> float:
     from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
     compiled = llm.engine.core.structured_outputs.compile(StructuredOutputsParams(json=RECORDS_SCHEMA))
-    sampler = llm.engine.core.runner.sampler
+    sampler = llm.engine.core.executor.worker.runner.sampler
     reqs = []
     for i in range(batch):
         r = Request(f"mask-{i}", 0, [1], 1, SamplingParams(), 0.0)
@@ -109,7 +109,7 @@ def compile_stall(llm: Any, num_properties: int, after_steps: int = 20) -> dict[
     import statistics
 
     from tokenmill.engine import SamplingParams, StructuredOutputsParams
-    from tokenmill.engine.outputs import EngineCoreRequest
+    from tokenmill.engine.core import EngineCoreRequest
 
     engine = llm.engine
     schema = {**large_schema(num_properties), "description": f"stall probe {time.time_ns()}"}  # uncached

@@ -13,26 +13,7 @@ the hidden state and residual at the stage boundary.
 
 import torch
 import torch.nn.functional as F
-from tokenmill.engine import cpu_decoder
-from tokenmill.engine.attention import AttentionMetadata, paged_attention
-from tokenmill.engine.layers import (
-    CPU_PACKED_MAX_ROWS,
-    PREPACK_MIN_ROWS,
-    CpuPackedWeight,
-    Linear,
-    RMSNorm,
-    Rope,
-    RotaryEmbedding,
-    bf16_codes_weight,
-    bf16_logits_max_rows,
-    pack_cpu_weight,
-    packed_linear,
-    prepack_weight,
-    release_freed_memory,
-    silu_and_mul,
-)
-from tokenmill.engine.model_config import ModelConfig
-from tokenmill.engine.parallel_state import (
+from tokenmill.engine.distributed.parallel_state import (
     SINGLE,
     ParallelState,
     kv_head_range,
@@ -41,6 +22,26 @@ from tokenmill.engine.parallel_state import (
     tp_gather_vocab,
     vocab_shard,
 )
+from tokenmill.engine.layers.activation import silu_and_mul
+from tokenmill.engine.layers.attention import AttentionMetadata, paged_attention
+from tokenmill.engine.layers.cpu_gemm_policy import (
+    CPU_PACKED_MAX_ROWS,
+    PREPACK_MIN_ROWS,
+    bf16_logits_max_rows,
+)
+from tokenmill.engine.layers.layernorm import RMSNorm
+from tokenmill.engine.layers.linear import (
+    CpuPackedWeight,
+    Linear,
+    bf16_codes_weight,
+    pack_cpu_weight,
+    packed_linear,
+    prepack_weight,
+)
+from tokenmill.engine.layers.rotary_embedding import Rope, RotaryEmbedding
+from tokenmill.engine.layers.weight_codes import CodesCache
+from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.models import llama_cpu_decoder
 from torch import nn
 
 
@@ -167,7 +168,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        # (KV pool and weights' identity, cpu_decoder's weight list or None): built on the first step that
+        # (KV pool and weights' identity, llama_cpu_decoder's weight list or None): built on the first step that
         # could use it.
         self._fused: tuple[tuple, list[torch.Tensor] | None] | None = None
 
@@ -186,10 +187,10 @@ class LlamaModel(nn.Module):
             hidden, residual = stage_input
         rope = self.rotary_emb.for_positions(positions, hidden.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i == 1 and cpu_decoder.step_fits(hidden, rope, attn_metadata):
+            if i == 1 and llama_cpu_decoder.step_fits(hidden, rope, attn_metadata):
                 weights = self._fused_weights(kv_caches)
                 if weights is not None:  # the rest of the layers in one C++ call
-                    hidden, residual = cpu_decoder.run_layers(layer, weights, hidden, residual, rope, attn_metadata)
+                    hidden, residual = llama_cpu_decoder.run_layers(layer, weights, hidden, residual, rope, attn_metadata)
                     break
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
         if self.norm is None:
@@ -198,12 +199,12 @@ class LlamaModel(nn.Module):
         return hidden
 
     def _fused_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
-        """cpu_decoder's weight list for layers 1.. (built once per KV pool), or None where it cannot run."""
+        """llama_cpu_decoder's weight list for layers 1.. (built once per KV pool), or None where it cannot run."""
         # A new KV pool or new projection weights (packing replaces them) make a new list.
         key = (id(kv_caches[0][0]) if kv_caches else None, id(self.layers[-1].mlp.down_proj.packed_cpu))
         if self._fused is None or self._fused[0] != key:
-            ok = cpu_decoder.fused_layers_enabled() and self.par.tp_size == 1 and len(self.layers) > 1
-            weights = cpu_decoder.layer_weights(list(self.layers[1:]), kv_caches[1:]) if ok else None
+            ok = llama_cpu_decoder.fused_layers_enabled() and self.par.tp_size == 1 and len(self.layers) > 1
+            weights = llama_cpu_decoder.layer_weights(list(self.layers[1:]), kv_caches[1:]) if ok else None
             self._fused = (key, weights)
         return self._fused[1]
 
@@ -257,18 +258,18 @@ class LlamaForCausalLM(nn.Module):
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head_packed = prepack_weight(weight)
 
-    def attach_weight_codes(self) -> None:
+    def attach_weight_codes(self, cache: CodesCache | None = None) -> None:
         """Before a cast of this fp32 model to bf16 on CPU: keep the integer codes of every projection
-        and of the LM head that has them, for small batches (layers.bf16_codes_max_rows). The tied
+        and of the LM head that has them, for small batches (cpu_gemm_policy.bf16_codes_max_rows). The tied
         embedding keeps its matrix: prompts look rows up in it."""
         for module in self.model.modules():
             if isinstance(module, Linear):
-                module.attach_codes()
+                module.attach_codes(cache)
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head_packed_cpu = bf16_codes_weight(weight, nibbles=self.lm_head is not None)
+            self.lm_head_packed_cpu = bf16_codes_weight(weight, nibbles=self.lm_head is not None, cache=cache)
 
-    def pack_linears_cpu(self, blocks: bool | None = None) -> None:
+    def pack_linears_cpu(self, blocks: bool | None = None, cache: CodesCache | None = None) -> None:
         """Give every projection and the LM head the fp32 CPU kernel's packed weights. Weights found as
         integer blocks then run every batch from their codes and their fp32 copies are dropped (a tied
         embedding looks its rows up in the codes); with tensor parallelism they stay, and batches over
@@ -276,14 +277,13 @@ class LlamaForCausalLM(nn.Module):
         keep_fp32 = self.par.tp_size > 1
         for module in self.model.modules():
             if isinstance(module, Linear):
-                module.pack_cpu(blocks, keep_fp32)
+                module.pack_cpu(blocks, keep_fp32, cache)
         if self.par.is_last_stage:
             if self.lm_head is None:
                 embed = self.model.embed_tokens
-                self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False)
+                self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False, cache=cache)
                 if self.lm_head_packed_cpu.codes is not None and not keep_fp32:
                     embed.packed_cpu, embed.weight = self.lm_head_packed_cpu, None
             else:
-                self.lm_head.pack_cpu(blocks, keep_fp32)
+                self.lm_head.pack_cpu(blocks, keep_fp32, cache)
                 self.lm_head_packed_cpu = self.lm_head.packed_cpu
-        release_freed_memory()

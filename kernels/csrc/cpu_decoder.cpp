@@ -10,7 +10,7 @@
 // The caller (engine/models/llama.py) decides when this applies: no tensor parallelism, no
 // q/k norms, the full rotary tables, every projection with codes, and a batch small enough for the codes
 // kernels; it passes its row thresholds for picking a linear kernel, so the choice stays in one place
-// (engine/layers.py).
+// (engine/layers/cpu_gemm_policy.py).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -37,7 +37,7 @@ Linear linear_at(at::TensorList w, int64_t base) {
   return {&w[base], &w[base + 1], &w[base + 2], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt};
 }
 
-// engine/layers.py's CpuPackedWeight.linear for bf16 rows: the dot kernel, from amx_min_rows the AMX
+// engine/layers/linear.py's CpuPackedWeight.linear for bf16 rows: the dot kernel, from amx_min_rows the AMX
 // codes kernel, from dequant_min_rows the AMX dequant kernel.
 void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, int64_t amx_min_rows, int64_t dequant_min_rows) {
   const int64_t rows = x.size(0);

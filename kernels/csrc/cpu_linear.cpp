@@ -59,7 +59,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// One block of 32 weights as w = d * q + m, rebuilt exactly; see engine/weight_blocks.py for the forms.
+// One block of 32 weights as w = d * q + m, rebuilt exactly; see engine/layers/weight_codes.py for the forms.
 // With an fp16 scale d and a code below 2^8 the product is exact in float, so float(d * q + m) rounds
 // once, as the kernel's fused multiply-add does, and the check below is the kernel's own arithmetic.
 bool fit_block(const float* v, int8_t* q, float* d_out, float* m_out) {
@@ -174,7 +174,7 @@ void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, in
 
 // The same tile on integer codes: panel p's weights are code rows (above) with, per 32 k and per column,
 // w = scale * code + min. The weight is rebuilt in registers with one FMA, which rounds the exact
-// scale * code + min once: the value an fp32 weight stored from it holds (engine/weight_blocks.py checks
+// scale * code + min once: the value an fp32 weight stored from it holds (engine/layers/weight_codes.py checks
 // that), so the sums equal tile()'s on those fp32 weights bit for bit while 1.25 bytes per weight (0.75
 // for nibbles) are read instead of 4. Four rows: 8 accumulators + 4 scale/min + 2 weights + 1 broadcast
 // fill the 16 registers.

@@ -1,4 +1,4 @@
-// The k largest of each row of fp32 logits, for the sampler's candidates (engine/sampler.py).
+// The k largest of each row of fp32 logits, for the sampler's candidates (engine/worker/sampler.py).
 //
 // Why: torch.topk of 64 over [64, 49152] took 2.8 ms a step with 2 threads (a 2-vCPU Xeon), half of the
 // sampler at the bundled model's defaults (temperature 0.2, top_p 0.9) at batch 64. Here one pass per

@@ -1,0 +1,189 @@
+"""Linear layers and their packed CPU forms: oneDNN's prepacked bf16 weights, the fp32 kernel's panels, and
+integer-code panels (weight_codes.py) that rebuild a dequantized GGUF weight exactly from a quarter of the
+bytes. Which of them runs a given batch is cpu_gemm_policy.py's decision.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tokenmill.engine.layers.cpu_gemm_policy import (
+    AMX_MIN_ROWS,
+    CPU_PACKED_MAX_ROWS,
+    PREPACK_BATCH_HINT,
+    PREPACK_MIN_ROWS,
+    amx_codes_supported,
+    amx_dequant_min_rows,
+    bf16_codes_max_rows,
+    bf16_dot_supported,
+    cpu_linear_mode,
+)
+from tokenmill.engine.layers.weight_codes import CodesCache, find_weight_codes, to_panels
+from tokenmill.kernels import cpu as cpu_kernels
+from torch import nn
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout; only `packed_linear` can read it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@dataclass
+class CpuPackedWeight:
+    """A weight [out_features, in] in the fp32 kernel's panels: fp32 values, or int8 codes with per-block
+    scales and mins that rebuild those fp32 values exactly (engine/layers/weight_codes.py)."""
+
+    out_features: int
+    fp32: torch.Tensor | None = None  # [panels, in, 16]
+    codes: torch.Tensor | None = None  # int8 [panels, in, 16], or uint8 nibbles [panels, in / 2, 16]
+    scales: torch.Tensor | None = None  # [panels, in / 32, 16]: fp32, or fp16 for the bf16 kernels
+    mins: torch.Tensor | None = None
+
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias, fp32), in x's dtype (or out_dtype: fp32 logits from bf16 x on the
+        bf16 dot kernel): fp32, or bf16 on codes for up to CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded
+        once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one."""
+        # A decode step makes ~120 of these calls: 2-D inputs skip the reshape and view (each ~1 us).
+        flat = x.dim() == 2
+        rows = x if flat else x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
+        ops = cpu_kernels.load()
+        if x.dtype == torch.bfloat16 and self.codes is not None and bf16_dot_supported():
+            op = ops.linear_codes_bf16
+            if rows.shape[0] >= AMX_MIN_ROWS and amx_codes_supported():
+                op = ops.linear_dequant_amx if rows.shape[0] >= amx_dequant_min_rows() else ops.linear_codes_amx
+            op(out, rows, self.codes, self.scales, self.mins, bias)
+        elif rows.dtype != out.dtype:  # fp32 logits of bf16 rows without the dot kernel: widen x
+            return self.linear(x.to(out.dtype), bias)
+        elif self.codes is None:
+            ops.linear_packed(out, rows, self.fp32, bias)
+        elif rows.shape[0] > CPU_PACKED_MAX_ROWS:
+            ops.linear_q8_gemm(out, rows, self.codes, self.scales, self.mins, bias)
+        else:
+            ops.linear_packed_q8(out, rows, self.codes, self.scales, self.mins, bias)
+        return out if flat else out.view(*x.shape[:-1], self.out_features)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids [T] of the weight [T, in], rebuilt from the codes: the fp32 values it was loaded with."""
+        if self.codes.dtype != torch.int8:
+            raise ValueError("embedding rows are read from int8 codes; this weight was packed as nibbles")
+        out = torch.empty(ids.shape[0], self.codes.shape[1], dtype=torch.float32)
+        ids = ids if ids.dtype == torch.int64 else ids.long()
+        cpu_kernels.load().embedding_q8(out, ids, self.codes, self.scales, self.mins, self.out_features)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.fp32, self.codes, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def nibble_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 code panels [P, K, 16] with every code in 0..15 -> uint8 [P, K / 2, 16], k = 2j in the low and
+    k = 2j + 1 in the high 4 bits of row j: the kernels' nibble layout (half the bytes to read)."""
+    pairs = codes.view(codes.shape[0], codes.shape[1] // 2, 2, codes.shape[2]).to(torch.uint8)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+
+
+def codes_weight(
+    weight: torch.Tensor, nibbles: bool = True, cache: CodesCache | None = None
+) -> CpuPackedWeight | None:
+    """An fp32 weight [out, in] as the kernel's integer-code panels, when integer blocks rebuild it
+    exactly; None otherwise. Codes that all fit 0..15 (GGUF Q4_*) are stored two to a byte where
+    `nibbles` (not for a tied embedding, whose rows embedding_q8 reads one code per byte)."""
+    found = find_weight_codes(weight.detach(), cache)
+    if found is None:
+        return None
+    codes = to_panels(found.codes)
+    if nibbles and bool(((codes >= 0) & (codes <= 15)).all()):
+        codes = nibble_codes(codes)
+    return CpuPackedWeight(weight.shape[0], codes=codes, scales=to_panels(found.scales), mins=to_panels(found.mins))
+
+
+def bf16_codes_weight(
+    weight: torch.Tensor, nibbles: bool = True, cache: CodesCache | None = None
+) -> CpuPackedWeight | None:
+    """codes_weight for a model cast to bf16 next. Where its rows run on the bf16 kernels (AVX-512 BF16:
+    dot and AMX), the scales and mins are kept as fp16 when every one is an fp16 value, as GGUF stores
+    them: 0.625 bytes per Q4 weight instead of 0.75, the same results bit for bit."""
+    packed = codes_weight(weight, nibbles, cache)
+    if packed is not None and bf16_dot_supported():
+        scales, mins = packed.scales.half(), packed.mins.half()
+        if torch.equal(scales.float(), packed.scales) and torch.equal(mins.float(), packed.mins):
+            packed.scales, packed.mins = scales, mins
+    return packed
+
+
+def pack_cpu_weight(
+    weight: torch.Tensor, blocks: bool | None = None, nibbles: bool = True, cache: CodesCache | None = None
+) -> CpuPackedWeight:
+    """Pack an fp32 weight [out, in] for the fp32 CPU kernel: as integer blocks when they rebuild it
+    exactly (and `blocks`, by default unless TOKENMILL_CPU_LINEAR=fp32), else as fp32 panels."""
+    weight = weight.detach()
+    if blocks is None:
+        blocks = cpu_linear_mode() == "1"
+    packed = codes_weight(weight, nibbles, cache) if blocks else None
+    if packed is not None:
+        return packed
+    return CpuPackedWeight(weight.shape[0], fp32=cpu_kernels.load().pack_linear_weight(weight))
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be swapped for a packed copy after loading: oneDNN's blocked layout
+    for bf16, or the fp32 AVX2 kernel's panels.
+
+    Unpacked, oneDNN re-lays-out the whole weight on every bf16 call; for the small batches of a
+    decode step that costs as much as the product itself. torch's fp32 GEMM on AVX2 ran 8 rows at a
+    quarter of one row's bandwidth (docs/benchmarks.md); the packed kernel reads each weight once per
+    step, from int8 codes where the weight has them.
+    """
+
+    packed: torch.Tensor | None = None
+    packed_cpu: CpuPackedWeight | None = None
+    bias_fp32: torch.Tensor | None = None  # a bf16 model's bias for the codes kernel (attach_codes)
+
+    def prepack(self) -> None:
+        """oneDNN's bf16 layout. A weight that also has integer codes (attach_codes) runs single rows
+        from them, so its unpacked bf16 copy, which only single rows read, is dropped."""
+        self.packed = prepack_weight(self.weight)
+        if self.packed_cpu is not None:
+            self.weight = None
+
+    def attach_codes(self, cache: CodesCache | None = None) -> None:
+        """Keep the integer-code form of this fp32 weight, if it has one, for a model cast to bf16 next
+        (with the fp32 bias the kernel adds)."""
+        self.packed_cpu = bf16_codes_weight(self.weight, cache=cache)
+        self.bias_fp32 = None if self.bias is None else self.bias.detach().float().clone()
+
+    def pack_cpu(
+        self, blocks: bool | None = None, keep_fp32: bool = False, cache: CodesCache | None = None
+    ) -> None:
+        """Pack for the fp32 CPU kernel. A weight found as integer blocks then runs every batch from its
+        codes and its [out, in] fp32 copy is dropped (unless keep_fp32); an fp32-panel weight keeps it,
+        for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM."""
+        self.packed_cpu = pack_cpu_weight(self.weight, blocks, cache=cache)
+        if self.packed_cpu.codes is not None and not keep_fp32:
+            self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed_cpu = self.packed_cpu
+        if packed_cpu is not None:
+            rows = x.numel() // x.shape[-1]
+            if x.dtype == torch.bfloat16:
+                if rows <= bf16_codes_max_rows():
+                    return packed_cpu.linear(x, self.bias_fp32)
+            elif self.weight is None or rows <= CPU_PACKED_MAX_ROWS:  # fp32
+                return packed_cpu.linear(x, self.bias)
+        if self.packed is not None and (x.shape[0] >= PREPACK_MIN_ROWS or self.weight is None):
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+

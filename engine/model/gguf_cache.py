@@ -1,0 +1,101 @@
+"""GGUF files converted once into Hugging Face folders under the cache, keyed by the file's content and
+the converter's version; a crash never leaves a half folder (temp dir + rename)."""
+
+import hashlib
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+
+from tokenmill.engine.model.cache_dirs import cache_root, tokenmill_cache
+
+# Bump when the converter's output changes, so stale caches are not reused.
+CONVERTER_VERSION = 2
+_STALE_TMP_SECONDS = 3600  # a conversion takes seconds to minutes; older temp dirs are from a crash
+
+
+def gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
+    """Where the converted form of gguf_path lives, keyed by the file's content and CONVERTER_VERSION (the
+    converter's output format): the same GGUF installed in another venv or checkout (another path and
+    mtime) reuses the conversion; a changed file or format gets a folder of its own."""
+    key = f"{CONVERTER_VERSION}:{file_digest(gguf_path)}"
+    return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _legacy_gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
+    """The folder earlier versions keyed by path, size and mtime; moved to gguf_cache_dir when found."""
+    st = gguf_path.stat()
+    key = f"{CONVERTER_VERSION}:{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def file_digest(path: pathlib.Path) -> str:
+    """sha256 of the file's bytes, remembered under ~/.cache/tokenmill/digests (beside the models folder,
+    which holds converted models only) by path, size and mtime: hashing the bundled 98 MB GGUF takes a
+    few tenths of a second, once per installed copy."""
+    st = path.stat()
+    where = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    memo = tokenmill_cache() / "digests" / hashlib.sha256(where.encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:  # a memo only: a read-only cache just means hashing again next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return digest
+
+
+def _remove_stale_tmp(root: pathlib.Path) -> None:
+    now = time.time()
+    for tmp in root.glob(".*.tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
+def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
+    """Convert once into the cache (temp dir + rename, so a crash never leaves a half folder); reuse after."""
+    gguf_path = pathlib.Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    final = gguf_cache_dir(gguf_path)
+    if (final / "config.json").is_file():
+        return final
+    legacy = _legacy_gguf_cache_dir(gguf_path)
+    if (legacy / "config.json").is_file():
+        try:
+            os.rename(legacy, final)
+            return final
+        except OSError:
+            if (final / "config.json").is_file():  # another process moved it first
+                return final
+    from tokenmill.engine.model.gguf_convert import convert_gguf  # imports torch: only on a cache miss
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(final.parent)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a lost race with another process: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,68 @@
+"""What every handler reads: the served names, the engine once it has loaded, its limits, and the
+status /health reports; model checks and admission (the 429 when the waiting queue is full)."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engine.core.client import EngineDeadError
+from tokenmill.engine.frontend.async_llm import AsyncLLM, QueueFullError
+from tokenmill.engine.server.engine_errors import engine_error
+from tokenmill.engine.server.errors import OpenAIError
+
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait; the queue drains at the engine's step rate
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers read; `engine` is None until the model has loaded."""
+
+    served_model_names: list[str]
+    model_root: str = ""
+    api_key: str | None = None
+    require_auth_for_metrics: bool = False
+    engine: AsyncLLM | None = None
+    metrics: Any = None  # ServerMetrics
+    tokenizer: Any = None
+    vocab_size: int = 0
+    max_model_len: int = 0
+    max_num_seqs: int = 0
+    status: str = "loading"  # loading | ready | draining | dead | failed
+    status_detail: str = "the model is loading"
+    # SamplingParams field -> value for fields a request leaves out (engine/frontend/generation_config.py).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: str = "hermes"  # hermes | none (serve_cli picks it from the chat template)
+    template_uses_tools: bool = False  # False: tools go into the system message as text (server/tools/request.py)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist. This server serves: {', '.join(self.served_model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def ready_engine(self) -> AsyncLLM:
+        """The engine, or a 503 (loading, draining) / 500 (dead) that says why not."""
+        if self.status == "ready" and self.engine is not None:
+            return self.engine
+        if self.status == "dead":
+            raise OpenAIError(500, self.status_detail)
+        raise OpenAIError(503, self.status_detail, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def admit(self, request_ids: list[str]) -> AsyncLLM:
+        engine = self.ready_engine()
+        try:
+            engine.admit(request_ids)
+        except QueueFullError as e:
+            raise OpenAIError(
+                429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
+        except EngineDeadError as e:
+            raise engine_error(e) from None
+        return engine

@@ -1,0 +1,41 @@
+"""Which device and dtype a rank computes on: `auto` means CUDA when there is a GPU, and bf16 there and on
+CPUs with fast bf16 matmuls (AMX or AVX512-BF16), fp32 elsewhere (the parity reference)."""
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
+    """'auto' -> bf16 on GPU; on CPU bf16 where the CPU has AMX or AVX512-BF16 (fast bf16 GEMM), else fp32."""
+    if dtype == "auto":
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_flags() & {"amx_bf16", "avx512_bf16"} else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu' or 'cuda'")
+    return torch.device(device)
