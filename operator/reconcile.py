@@ -11,10 +11,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.operator import autoscaler, children, lws, metrics, model_source
-from tokenmill.operator import replicas as rep
-from tokenmill.operator.catalog import GPU_TYPES, ProfileError
-from tokenmill.operator.conditions import (
+from tokenmill.operator.children import leaderworkerset as lws
+from tokenmill.operator.children import model_source
+from tokenmill.operator.children import pod as children
+from tokenmill.operator.kube import KubeError, merge_patch
+from tokenmill.operator.observe import engine_metrics as metrics
+from tokenmill.operator.observe.hub import HubCache, HubError, parse_hf_uri
+from tokenmill.operator.observe.secrets import secret_problem
+from tokenmill.operator.plan import autoscaler
+from tokenmill.operator.plan import replicas as rep
+from tokenmill.operator.plan.catalog import GPU_TYPES, ProfileError
+from tokenmill.operator.plan.conditions import (
     Condition,
     Facts,
     compute_conditions,
@@ -22,14 +29,11 @@ from tokenmill.operator.conditions import (
     rollout_from,
     transition_events,
 )
-from tokenmill.operator.hub import HubCache, HubError, parse_hf_uri
-from tokenmill.operator.kube import KubeError, merge_patch
-from tokenmill.operator.profiles import hub_status, resolve_with_hub
-from tokenmill.operator.quota import cap_replicas
-from tokenmill.operator.secret_check import secret_problem
-from tokenmill.operator.sizing import gpus_per_replica, plan
-from tokenmill.operator.spec import SpecError, parse_inference_service
-from tokenmill.operator.status_fields import capacity_event, iso, keep_measured, plan_status
+from tokenmill.operator.plan.profiles import hub_status, resolve_with_hub
+from tokenmill.operator.plan.quota import cap_replicas
+from tokenmill.operator.plan.sizing import gpus_per_replica, plan
+from tokenmill.operator.plan.spec import SpecError, parse_inference_service
+from tokenmill.operator.status import capacity_event, iso, keep_measured, plan_status
 
 log = logging.getLogger("tokenmill.operator")
 

@@ -1,4 +1,4 @@
-from tokenmill.operator.conditions import (
+from tokenmill.operator.plan.conditions import (
     CONDITION_TYPES,
     Condition,
     Facts,

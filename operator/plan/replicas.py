@@ -5,12 +5,13 @@ The stabilization rule itself is autoscaler.py's; this module gathers its inputs
 recommendation history kept in status, the capacity target) and turns the outcome into conditions.
 """
 
-from tokenmill.operator import autoscaler, metrics
-from tokenmill.operator.conditions import Condition
-from tokenmill.operator.quota import QuotaCap
-from tokenmill.operator.sizing import REFERENCE_SEQUENCE_TOKENS, SizingPlan
-from tokenmill.operator.spec import ServiceSpec
-from tokenmill.operator.status_fields import from_iso, iso
+from tokenmill.operator.observe import engine_metrics as metrics
+from tokenmill.operator.plan import autoscaler
+from tokenmill.operator.plan.conditions import Condition
+from tokenmill.operator.plan.quota import QuotaCap
+from tokenmill.operator.plan.sizing import REFERENCE_SEQUENCE_TOKENS, SizingPlan
+from tokenmill.operator.plan.spec import ServiceSpec
+from tokenmill.operator.status import from_iso, iso
 
 
 def is_ready(pod: dict) -> bool:

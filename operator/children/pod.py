@@ -4,10 +4,10 @@ import hashlib
 import json
 import math
 
-from tokenmill.operator import model_source
-from tokenmill.operator.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
-from tokenmill.operator.sizing import SizingPlan, gpus_per_pod
-from tokenmill.operator.spec import API_VERSION, KIND, ServiceSpec
+from tokenmill.operator.children import model_source
+from tokenmill.operator.plan.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
+from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_pod
+from tokenmill.operator.plan.spec import API_VERSION, KIND, ServiceSpec
 
 PORT = 8000
 OPERATOR_NAME = "tokenmill-operator"

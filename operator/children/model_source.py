@@ -7,7 +7,7 @@ holds, so a second replica or a restart on a shared cache reads the weights with
 again. The startup probe's budget includes the download (children.startup_timeout_seconds).
 """
 
-from tokenmill.operator.spec import ServiceSpec
+from tokenmill.operator.plan.spec import ServiceSpec
 
 MODELS_DIR = "/models"  # pvc:// claims are mounted at MODELS_DIR/CLAIM, read-only
 MODEL_CACHE_DIR = "/model-cache"  # the cache volume; HF_HOME is MODEL_CACHE_DIR/huggingface

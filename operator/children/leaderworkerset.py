@@ -7,9 +7,9 @@ LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX; the engine rendezvous f
 spec and plan in, dicts out.
 """
 
-from tokenmill.operator import children
-from tokenmill.operator.sizing import SizingPlan
-from tokenmill.operator.spec import ServiceSpec
+from tokenmill.operator.children import pod as children
+from tokenmill.operator.plan.sizing import SizingPlan
+from tokenmill.operator.plan.spec import ServiceSpec
 
 GROUP, VERSION, PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
 API_VERSION = f"{GROUP}/{VERSION}"

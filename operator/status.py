@@ -3,8 +3,8 @@ engines measured (carried over while it describes the current generation, with i
 
 import datetime
 
-from tokenmill.operator.catalog import ModelProfile
-from tokenmill.operator.sizing import SizingPlan, gpus_per_replica
+from tokenmill.operator.plan.catalog import ModelProfile
+from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_replica
 
 
 def iso(ts: float) -> str:

@@ -2,7 +2,8 @@
 entry named by profile.base or matched by the URI, else (for hf:// models) the repo's config.json at
 the revision asked for, overridden in either case by spec.model.profile."""
 
-from tokenmill.operator.catalog import (
+from tokenmill.operator.observe.hub import HubError, HubModel
+from tokenmill.operator.plan.catalog import (
     REQUIRED_FIELDS,
     SPEC_KEYS,
     ModelProfile,
@@ -11,8 +12,7 @@ from tokenmill.operator.catalog import (
     profile_from_hf_config,
     profile_from_spec,
 )
-from tokenmill.operator.hub import HubError, HubModel
-from tokenmill.operator.spec import ServiceSpec
+from tokenmill.operator.plan.spec import ServiceSpec
 
 
 def catalog_base(spec: ServiceSpec) -> ModelProfile | None:
