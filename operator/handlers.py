@@ -20,7 +20,7 @@ import os
 
 import kopf
 from tokenmill.operator import reconcile as rec
-from tokenmill.operator.children.pod import MANAGED_BY, OPERATOR_NAME
+from tokenmill.operator.children.meta import MANAGED_BY, OPERATOR_NAME
 from tokenmill.operator.kube import KubeApi
 from tokenmill.operator.leadership import acting
 from tokenmill.operator.plan.spec import GROUP, KIND, PLURAL, VERSION

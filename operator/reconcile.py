@@ -11,9 +11,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.operator.apply import differs
 from tokenmill.operator.children import leaderworkerset as lws
 from tokenmill.operator.children import model_source
-from tokenmill.operator.children import pod as children
+from tokenmill.operator.children.cache_pvc import desired_cache_claim
+from tokenmill.operator.children.deployment import desired_deployment
+from tokenmill.operator.children.meta import is_owned_by, selector_string
+from tokenmill.operator.children.pdb import desired_pdb
+from tokenmill.operator.children.pod import DEFAULT_ENGINE_IMAGE
+from tokenmill.operator.children.service import desired_service, endpoint
 from tokenmill.operator.kube import KubeError, merge_patch
 from tokenmill.operator.observe import engine_metrics as metrics
 from tokenmill.operator.observe.hub import HubCache, HubError, parse_hf_uri
@@ -40,7 +46,7 @@ log = logging.getLogger("tokenmill.operator")
 
 @dataclass(slots=True)
 class OperatorConfig:
-    engine_image: str = children.DEFAULT_ENGINE_IMAGE
+    engine_image: str = DEFAULT_ENGINE_IMAGE
     interval: float = 15.0  # seconds between autoscaling / drift passes per object
     metrics_timeout: float = 2.0
     stale_after: float = autoscaler.STALE_AFTER_SECONDS
@@ -88,7 +94,7 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     meta = body.get("metadata") or {}
     ns, name, generation = meta.get("namespace"), meta.get("name"), int(meta.get("generation") or 0)
     previous = {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"}
-    status: dict = {"observedGeneration": generation, "selector": children.selector_string(name)}
+    status: dict = {"observedGeneration": generation, "selector": selector_string(name)}
     events: list[tuple[str, str, str]] = []
 
     def finish(facts: Facts) -> dict:
@@ -110,7 +116,7 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
         spec = parse_inference_service(body)
     except SpecError as e:
         return finish(Facts(spec_error=str(e)))
-    status["endpoint"] = children.endpoint(spec)
+    status["endpoint"] = endpoint(spec)
 
     profile, sizing = None, None
     try:
@@ -131,12 +137,12 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     was_multi = int(((previous.get("sizing") or {}).get("nodesPerReplica")) or 1) > 1
     kinds = ("Deployment", "Service", "PodDisruptionBudget", *((lws.KIND,) if multi or was_multi else ()))
     live = {kind: api.get(kind, ns, lws.lws_name(spec) if kind == lws.KIND else name) for kind in kinds}
-    foreign = [k for k, obj in live.items() if obj is not None and not children.is_owned_by(obj, spec)]
+    foreign = [k for k, obj in live.items() if obj is not None and not is_owned_by(obj, spec)]
     workload_kind = lws.KIND if multi or (was_multi and sizing is not None and not sizing.feasible) else "Deployment"
     view = lws.rollout_source if workload_kind == lws.KIND else (lambda obj: obj)
     deployment = view(live.get(workload_kind)) if workload_kind not in foreign else None
     current = (deployment or {}).get("spec", {}).get("replicas")
-    pods = api.list("Pod", ns, children.selector_string(name))
+    pods = api.list("Pod", ns, selector_string(name))
     if workload_kind == lws.KIND:
         status["selector"] = f"{status['selector']},{lws.ROLE_LABEL}={lws.LEADER}"
 
@@ -191,16 +197,16 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
         engine = desired["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
         shape = f"groups of {sizing.nodes_per_replica} pods x {sizing.tensor_parallel_size}"
     else:
-        desired = children.desired_deployment(spec, sizing, replicas, config.engine_image, config.hf_endpoint)
+        desired = desired_deployment(spec, sizing, replicas, config.engine_image, config.hf_endpoint)
         engine = desired["spec"]["template"]["spec"]["containers"][0]
         shape = f"replicas x {gpus_per_replica(sizing)}"
     workload = f"{workload_kind} {desired['metadata']['name']}"
-    spec_changed = deployment is None or children.differs(
+    spec_changed = deployment is None or differs(
         {**desired["spec"], "replicas": None}, {**deployment.get("spec", {}), "replicas": None})
     if deployment is None:
         deployment = view(api.apply(desired))
         events.append(("Normal", "Created", f"{workload}: {replicas} {shape} {spec.gpu_type}, {' '.join(engine['args'])}"))
-    elif children.differs(desired, deployment):
+    elif differs(desired, deployment):
         if current is not None and current != replicas:
             why = decision.message if decision is not None and decision.replicas == wanted else scaling_cond.message
             if cap.limited:
@@ -214,12 +220,12 @@ def _reconcile(api, body, config, autoscale, now, scrape, query_prometheus) -> d
     if live.get(other) is not None and other not in foreign:
         api.delete(other, ns, live[other]["metadata"]["name"])
         events.append(("Normal", "Deleted", f"{other} {live[other]['metadata']['name']}: replaced by {workload}"))
-    service = children.desired_service(spec, lws.leader_only() if multi else None)
-    for kind, want in (("Service", service), ("PodDisruptionBudget", children.desired_pdb(spec))):
+    service = desired_service(spec, lws.leader_only() if multi else None)
+    for kind, want in (("Service", service), ("PodDisruptionBudget", desired_pdb(spec))):
         if want is None:
             if live[kind] is not None:
                 api.delete(kind, ns, name)
-        elif live[kind] is None or children.differs(want, live[kind]):
+        elif live[kind] is None or differs(want, live[kind]):
             api.apply(want)
             if live[kind] is None:
                 events.append(("Normal", "Created", f"{kind} {name}"))
@@ -281,19 +287,18 @@ def _apply_cache_claim(api, spec, events: list) -> None:
     if spec.model_scheme != "hf":
         return
     name = f"{spec.name}{model_source.CACHE_CLAIM_SUFFIX}"
-    max_replicas = spec.scaling.max_replicas if spec.scaling is not None else (spec.replicas or 0)
-    want = model_source.desired_cache_claim(spec, max_replicas, children.child_metadata(spec))
+    want = desired_cache_claim(spec)
     live = api.get("PersistentVolumeClaim", spec.namespace, name)
     if want is None:
-        if live is not None and children.is_owned_by(live, spec):
+        if live is not None and is_owned_by(live, spec):
             api.delete("PersistentVolumeClaim", spec.namespace, name)
         return
     if live is None:
         api.apply(want)
         events.append(("Normal", "Created", f"PersistentVolumeClaim {name} ({spec.cache.size}) for the model cache"))
-    elif children.is_owned_by(live, spec) and children.differs(want, live):
+    elif is_owned_by(live, spec) and differs(want, live):
         fixed = {k: v for k, v in want["spec"].items() if k != "resources"}
-        if children.differs(fixed, live.get("spec") or {}):
+        if differs(fixed, live.get("spec") or {}):
             log.warning("%s/%s: PersistentVolumeClaim %s keeps its storage class and access mode (immutable); "
                         "delete it to recreate it", spec.namespace, spec.name, name)
         else:

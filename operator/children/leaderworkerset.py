@@ -7,7 +7,8 @@ LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX; the engine rendezvous f
 spec and plan in, dicts out.
 """
 
-from tokenmill.operator.children import pod as children
+from tokenmill.operator.children.meta import child_metadata, stamp
+from tokenmill.operator.children.pod import pod_template
 from tokenmill.operator.plan.sizing import SizingPlan
 from tokenmill.operator.plan.spec import ServiceSpec
 
@@ -72,9 +73,9 @@ def worker_template(leader: dict) -> dict:
 def desired_leaderworkerset(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str,
                             hf_endpoint: str | None = None) -> dict:
     """`replicas` groups of `plan.nodes_per_replica` pods (LWS's spec.replicas counts groups)."""
-    leader = _with_role(children.pod_template(spec, plan, image, hf_endpoint), LEADER)
-    metadata = {**children._metadata(spec), "name": lws_name(spec)}
-    return children.stamp({
+    leader = _with_role(pod_template(spec, plan, image, hf_endpoint), LEADER)
+    metadata = {**child_metadata(spec), "name": lws_name(spec)}
+    return stamp({
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": metadata,

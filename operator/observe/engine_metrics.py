@@ -12,8 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenmill.engine import metric_names as mn
-
-PORT = 8000
+from tokenmill.operator.children.meta import PORT
 
 
 @dataclass(slots=True)
