@@ -4,11 +4,10 @@ from tokenmill.operator.plan.conditions import (
     Facts,
     Rollout,
     compute_conditions,
-    merge_conditions,
     pod_problem,
     rollout_from,
-    transition_events,
 )
+from tokenmill.operator.status import merge_conditions, transition_events
 
 SIZED = Condition("Sized", "True", "Fits", "1 x nvidia-l4 per replica")
 NO_QUOTA = Condition("QuotaLimited", "False", "NoGPUQuota", "no ResourceQuota limits nvidia.com/gpu")

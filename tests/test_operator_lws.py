@@ -5,8 +5,8 @@ The expected numbers are worked out by hand in the comments from the documented 
 "Sizing" and "Multi-node"), not read back from the code."""
 
 from tokenmill.operator.children import leaderworkerset as lws
-from tokenmill.operator.observe.engine_metrics import PodReading
 from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
+from tokenmill.operator.plan.observations import PodReading
 from tokenmill.operator.plan.sizing import gpus_per_pod, gpus_per_replica, plan
 from tokenmill.operator.plan.spec import parse_inference_service
 from tokenmill.operator.status import plan_status

@@ -5,8 +5,8 @@ import copy
 import pytest
 from tokenmill.operator import reconcile as rec
 from tokenmill.operator.kube import KubeError, merge_patch
-from tokenmill.operator.observe.engine_metrics import PodReading
 from tokenmill.operator.observe.hub import HubCache, HubError
+from tokenmill.operator.plan.observations import PodReading
 
 NS = "team-a"
 

@@ -122,6 +122,11 @@ def rollout_source(lws: dict | None) -> dict | None:
     }
 
 
+def as_deployment(kind: str, workload: dict | None) -> dict | None:
+    """A workload of either kind in the shape conditions.rollout_from reads (a Deployment's)."""
+    return rollout_source(workload) if kind == KIND else workload
+
+
 def serving_pods(pods: list[dict]) -> list[dict]:
     """Pods that serve HTTP (and metrics): Deployment pods and group leaders, not workers."""
     return [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) != WORKER]

@@ -1,1 +1,1 @@
-"""Reading the world: the Kubernetes API, the Hugging Face Hub, the engines' /metrics."""
+"""Reading: the children and pods (through kube.py), Secrets, the Hugging Face Hub, the engines' /metrics."""

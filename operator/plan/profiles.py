@@ -1,9 +1,11 @@
-"""Which model profile an InferenceService is sized with, and where its numbers came from: the catalog
-entry named by profile.base or matched by the URI, else (for hf:// models) the repo's config.json at
-the revision asked for, overridden in either case by spec.model.profile."""
+"""Which model profile an InferenceService is sized with, where its numbers came from, and the plan they
+give: the catalog entry named by profile.base or matched by the URI, else (for hf:// models) the repo's
+config.json at the revision asked for, overridden in either case by spec.model.profile."""
 
-from tokenmill.operator.observe.hub import HubError, HubModel
+from dataclasses import dataclass
+
 from tokenmill.operator.plan.catalog import (
+    GPU_TYPES,
     REQUIRED_FIELDS,
     SPEC_KEYS,
     ModelProfile,
@@ -12,6 +14,9 @@ from tokenmill.operator.plan.catalog import (
     profile_from_hf_config,
     profile_from_spec,
 )
+from tokenmill.operator.plan.conditions import Condition
+from tokenmill.operator.plan.observations import HubAnswer, HubModel
+from tokenmill.operator.plan.sizing import SizingPlan, plan
 from tokenmill.operator.plan.spec import ServiceSpec
 
 
@@ -35,18 +40,6 @@ def resolve_profile(spec: ServiceSpec, hub_model: HubModel | None = None) -> Mod
     return profile_from_spec(given, base, spec.served_model_name)
 
 
-def hub_status(hub_model: HubModel, profile: ModelProfile | None) -> dict:
-    """status.sizing.hub: the repo and commit the plan describes, and which numbers came from it."""
-    out = {"repo": hub_model.repo_id, "revision": hub_model.revision, "commit": hub_model.commit,
-           "gated": hub_model.gated}
-    if hub_model.weights_bytes is not None:
-        out["weightsBytes"] = hub_model.weights_bytes
-    if profile is not None and profile.source.startswith("hub"):
-        out["configFile"] = f"config.json at {hub_model.commit}"
-        out["parametersFrom"] = "safetensors metadata" if hub_model.parameters else "estimated from config.json"
-    return out
-
-
 def needs_hub_config(spec: ServiceSpec) -> bool:
     """Whether sizing needs the repo's config.json: no catalog base, and spec.model.profile lacks numbers."""
     if catalog_base(spec) is not None:
@@ -55,19 +48,53 @@ def needs_hub_config(spec: ServiceSpec) -> bool:
     return any(given.get(SPEC_KEYS[f]) is None for f in REQUIRED_FIELDS)
 
 
-def resolve_with_hub(spec: ServiceSpec, lookup) -> tuple[ModelProfile, HubModel | None]:
-    """The profile of any model; for hf:// ones `lookup(with_config)` asks the Hub first, so a gated
-    repo without a token, a missing repo or revision become a ProfileError with the hub's reason. An
-    unreachable Hub stops only models the catalog (or the spec) cannot size without it."""
-    if spec.model_scheme != "hf" or lookup is None:
-        return resolve_profile(spec), None
-    with_config = needs_hub_config(spec)
+def hub_question(spec: ServiceSpec) -> bool | None:
+    """What to ask the Hub: None for nothing (not hf://, or a profile.base the catalog lacks, which fails
+    without a lookup), else whether config.json is needed too."""
+    if spec.model_scheme != "hf":
+        return None
     try:
-        hub_model = lookup(with_config)
-    except HubError as e:
-        if e.reason == "HubUnreachable" and not with_config:
-            return resolve_profile(spec), None  # the engine will try the Hub itself
-        raise ProfileError(e.reason, str(e)) from None
-    if hub_model is None:  # the lookup could not be made (a gated repo whose token it may not read)
+        return needs_hub_config(spec)
+    except ProfileError:
+        return None  # resolve_profile raises it again, with no Hub asked
+
+
+def resolve_with_hub(spec: ServiceSpec, answer: HubAnswer | None) -> tuple[ModelProfile, HubModel | None]:
+    """The profile of any model; for hf:// ones after the Hub's answer, so a gated repo without a token, a
+    missing repo or revision become a ProfileError with the hub's reason. An unreachable Hub stops only
+    models the catalog (or the spec) cannot size without it."""
+    if answer is None:
         return resolve_profile(spec), None
-    return resolve_profile(spec, hub_model), hub_model
+    if answer.error is not None:
+        if answer.error.reason == "HubUnreachable" and not answer.with_config:
+            return resolve_profile(spec), None  # the engine will try the Hub itself
+        raise ProfileError(answer.error.reason, str(answer.error))
+    if answer.model is None:  # the lookup could not be made (a gated repo whose token it may not read)
+        return resolve_profile(spec), None
+    return resolve_profile(spec, answer.model), answer.model
+
+
+@dataclass(frozen=True, slots=True)
+class Sized:
+    """The sizing of one spec: the Sized condition, and the plan unless no profile could be found."""
+
+    condition: Condition
+    plan: SizingPlan | None = None
+    profile: ModelProfile | None = None
+    hub_model: HubModel | None = None
+    error: ProfileError | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None and self.plan.feasible
+
+
+def size_service(spec: ServiceSpec, answer: HubAnswer | None) -> Sized:
+    try:
+        profile, hub_model = resolve_with_hub(spec, answer)
+        p = plan(profile, GPU_TYPES[spec.gpu_type], spec.engine, spec.gpu_count)
+    except ProfileError as e:
+        # An unreachable Hub says nothing about the model: whether it fits is unknown, not no.
+        status = "Unknown" if e.reason == "HubUnreachable" else "False"
+        return Sized(Condition("Sized", status, e.reason, str(e)), error=e)
+    return Sized(Condition("Sized", "True" if p.feasible else "False", p.reason, p.message), p, profile, hub_model)

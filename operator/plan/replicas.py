@@ -1,26 +1,19 @@
 """How many replicas an InferenceService runs: the fixed size, or the autoscaler's decision from the
-ready pods' queue depth (read from the pods or from Prometheus); then the GPU quota cap.
+ready pods' queue depth; then the GPU quota cap. Pure: the engines' readings, the quotas, the pods and
+the previous status come in (observe/ reads them).
 
-The stabilization rule itself is autoscaler.py's; this module gathers its inputs (readings, the
-recommendation history kept in status, the capacity target) and turns the outcome into conditions.
+The stabilization rule itself is autoscaler.py's; this module gathers its inputs (the capacity target,
+the recommendation history kept in status) and turns the outcome into conditions.
 """
 
-from tokenmill.operator.observe import engine_metrics as metrics
+from dataclasses import dataclass
+
 from tokenmill.operator.plan import autoscaler
 from tokenmill.operator.plan.conditions import Condition
-from tokenmill.operator.plan.quota import QuotaCap
-from tokenmill.operator.plan.sizing import REFERENCE_SEQUENCE_TOKENS, SizingPlan
+from tokenmill.operator.plan.observations import TOTAL, EngineReadings
+from tokenmill.operator.plan.quota import QuotaCap, cap_replicas
+from tokenmill.operator.plan.sizing import REFERENCE_SEQUENCE_TOKENS, SizingPlan, gpus_per_replica
 from tokenmill.operator.plan.spec import ServiceSpec
-from tokenmill.operator.status import from_iso, iso
-
-
-def is_ready(pod: dict) -> bool:
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    status = pod.get("status") or {}
-    return status.get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-    )
 
 
 def capacity_target(p: SizingPlan, measured: dict | None) -> int:
@@ -39,35 +32,32 @@ def target(spec: ServiceSpec, sizing: SizingPlan, measured: dict | None) -> int:
     return capacity_target(sizing, measured)
 
 
-def history(previous: dict) -> tuple[autoscaler.Recommendation, ...]:
-    out = []
-    for item in ((previous.get("scaling") or {}).get("recommendations")) or []:
-        try:
-            out.append(autoscaler.Recommendation(from_iso(item["time"]), int(item["replicas"])))
-        except (KeyError, ValueError, TypeError):
-            continue  # a hand-edited status: drop the entry rather than fail
-    return tuple(sorted(out, key=lambda r: r.time))
+@dataclass(frozen=True, slots=True)
+class ReplicaPlan:
+    replicas: int  # what the workload gets: the fixed size or the autoscaler's, capped by the GPU quota
+    scaling: Condition  # ScalingActive
+    quota: Condition  # QuotaLimited
+    decision: autoscaler.ScaleDecision | None  # the autoscaler's, when it decided this pass
+    why: str  # what an event about a change of size says
 
 
-def read_metrics(spec: ServiceSpec, ready: list[dict], config, scrape, query_prometheus):
-    """(readings by pod, error text or None) for the ready pods. A fixed-size service (spec.scaling
-    None) is read from its pods too: the readings fill status.sizing.measured."""
-    if spec.scaling is not None and spec.scaling.metrics_source == "prometheus":
-        try:
-            return query_prometheus(
-                spec.scaling.prometheus_url, spec.namespace, spec.name, [p["metadata"]["name"] for p in ready],
-                spec.scaling.prometheus_query, timeout=max(config.metrics_timeout, 3.0),
-            ), None
-        except Exception as e:  # Prometheus down or answering garbage: hold, and say so
-            return {}, f"cannot query Prometheus at {spec.scaling.prometheus_url}: {e}"
-    try:
-        return scrape(ready, timeout=config.metrics_timeout), None
-    except Exception as e:
-        return {}, f"cannot read the pods' /metrics: {e}"
+def plan_replicas(spec: ServiceSpec, sizing: SizingPlan, *, current: int | None, engines: EngineReadings,
+                  measured: dict | None, previous: dict, history: tuple[autoscaler.Recommendation, ...],
+                  quotas: list[dict], pods: list[dict], interval: float, stale_after: float, autoscale: bool,
+                  now: float) -> ReplicaPlan:
+    """`current`: the workload's replicas (None before it exists); `previous`: the status last written,
+    `history` its recommendations; `pods`: this service's pods, whose GPUs count as its own headroom."""
+    wanted, scaling, decision = decide_replicas(spec, sizing, current, engines, measured, previous, history,
+                                                interval, stale_after, autoscale, now)
+    cap = cap_replicas(wanted, gpus_per_replica(sizing), quotas, pods, spec.template.get("priorityClassName"))
+    replicas = wanted if cap.max_replicas is None else min(wanted, cap.max_replicas)
+    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, cap.message if cap.limited else scaling.message)
 
 
-def decide_replicas(spec, sizing, current, ready, readings, metrics_error, previous, measured, config, autoscale,
-                    now):
+def decide_replicas(spec: ServiceSpec, sizing: SizingPlan, current: int | None, engines: EngineReadings,
+                    measured: dict | None, previous: dict, history: tuple[autoscaler.Recommendation, ...],
+                    interval: float, stale_after: float, autoscale: bool,
+                    now: float) -> tuple[int, Condition, autoscaler.ScaleDecision | None]:
     """(wanted replicas, ScalingActive condition, decision or None)."""
     if spec.scaling is None:
         return spec.replicas, Condition("ScalingActive", "False", "FixedReplicas",
@@ -82,19 +72,18 @@ def decide_replicas(spec, sizing, current, ready, readings, metrics_error, previ
         else:
             cond = Condition("ScalingActive", "False", "WaitingForMetrics",
                              f"starting at {clamped or s.min_replicas} replicas; queue depth is read every "
-                             f"{config.interval:g}s once pods are ready")
+                             f"{interval:g}s once pods are ready")
         return (s.min_replicas if current is None else clamped), cond, None
-    past = history(previous)
-    if metrics_error is not None:
+    if engines.error is not None:
         decision = autoscaler.ScaleDecision(clamped, False, "MetricsUnavailable",
-                                            f"{metrics_error}; holding at {clamped} replicas",
-                                            None, tgt, past)
-    elif metrics.TOTAL in readings:
-        decision = autoscaler.decide_with_total(s, current, readings[metrics.TOTAL].queue_depth, tgt, past, now)
+                                            f"{engines.error}; holding at {clamped} replicas",
+                                            None, tgt, history)
+    elif TOTAL in engines.readings:
+        decision = autoscaler.decide_with_total(s, current, engines.readings[TOTAL].queue_depth, tgt, history, now)
     else:
-        per_pod = {pod: (r.queue_depth, r.timestamp) for pod, r in readings.items()}
-        decision = autoscaler.decide(s, current, [p["metadata"]["name"] for p in ready], per_pod, tgt, past,
-                                     now, config.stale_after)
+        per_pod = {pod: (r.queue_depth, r.timestamp) for pod, r in engines.readings.items()}
+        decision = autoscaler.decide(s, current, [p["metadata"]["name"] for p in engines.ready], per_pod, tgt,
+                                     history, now, stale_after)
     cond = Condition("ScalingActive", "True" if decision.active else "False", decision.reason, decision.message)
     return decision.replicas, cond, decision
 
@@ -105,18 +94,3 @@ def quota_condition(cap: QuotaCap) -> Condition:
     if cap.max_replicas is None:
         return Condition("QuotaLimited", "False", "NoGPUQuota", cap.message)
     return Condition("QuotaLimited", "False", "WithinQuota", cap.message)
-
-
-def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, status: dict, decision,
-                   measured: dict | None) -> dict | None:
-    """status.scaling of an autoscaled service (None for a fixed size)."""
-    if spec.scaling is None:
-        return None
-    out = dict(previous.get("scaling") or {})
-    out.update(status.get("scaling") or {})
-    out["targetQueueDepth"] = decision.target if decision else target(spec, sizing, measured)
-    if decision is not None:
-        out["recommendations"] = [{"time": iso(r.time), "replicas": r.replicas} for r in decision.history]
-        if decision.queue_depth is not None:
-            out["currentQueueDepth"] = decision.queue_depth
-    return out
