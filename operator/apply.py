@@ -37,7 +37,8 @@ def apply_children(api, spec: ServiceSpec, desired: Desired, live: Live, why: st
     old = live.objects.get(other)
     if old is not None and other not in live.foreign:
         api.delete(other, spec.namespace, old["metadata"]["name"])
-        events.append(("Normal", "Deleted", f"{other} {old['metadata']['name']}: replaced by {_name(desired.workload)}"))
+        replaced = f"{other} {old['metadata']['name']}: replaced by {_name(desired.workload)}"
+        events.append(("Normal", "Deleted", replaced))
     for kind, want in (("Service", desired.service), ("PodDisruptionBudget", desired.pdb)):
         if want is None:
             if live.objects[kind] is not None:

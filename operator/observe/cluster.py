@@ -57,7 +57,8 @@ def first_blocker(api, spec: ServiceSpec, sizing: SizingPlan, live: Live) -> tup
         return "NameConflict", f"{kinds} already exists and is not owned by this InferenceService"
     if live.multi_node and live.workload is None and not api.has_resource(GROUP, VERSION, PLURAL):
         return "LeaderWorkerSetNotInstalled", not_installed_message(sizing)
-    for ref, where in ((spec.api_key_secret, "spec.apiKeySecretRef"), (spec.token_secret, "spec.model.tokenSecretRef")):
+    secrets = ((spec.api_key_secret, "spec.apiKeySecretRef"), (spec.token_secret, "spec.model.tokenSecretRef"))
+    for ref, where in secrets:
         problem = None if ref is None else secret_problem(api, spec.namespace, *ref, where)
         if problem is not None:
             return "SecretNotFound", problem

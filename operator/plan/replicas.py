@@ -51,7 +51,8 @@ def plan_replicas(spec: ServiceSpec, sizing: SizingPlan, *, current: int | None,
                                                 interval, stale_after, autoscale, now)
     cap = cap_replicas(wanted, gpus_per_replica(sizing), quotas, pods, spec.template.get("priorityClassName"))
     replicas = wanted if cap.max_replicas is None else min(wanted, cap.max_replicas)
-    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, cap.message if cap.limited else scaling.message)
+    why = cap.message if cap.limited else scaling.message
+    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, why)
 
 
 def decide_replicas(spec: ServiceSpec, sizing: SizingPlan, current: int | None, engines: EngineReadings,
