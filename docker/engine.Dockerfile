@@ -48,9 +48,9 @@ RUN . /usr/local/lib/tokenmill-uv.sh \
     && find /opt/tokenmill/lib/python3*/site-packages/tokenmill/kernels/csrc -type f -exec touch -d @0 {} + \
     && tokenmill --version
 
-# The UID the operator's pods run as (runAsUser, tokenmill.operator.children.ENGINE_UID): numeric, so
+# The UID the operator's pods run as (runAsUser, tokenmill.operator.children.pod.ENGINE_UID): numeric, so
 # runAsNonRoot is checked without a name lookup. The pod mounts /cache, /tmp and /dev/shm as its only
-# writable places (operator/children.py), so the root file system can be read-only.
+# writable places (operator/children/pod.py), so the root file system can be read-only.
 RUN mkdir -p /cache && chown 1000:1000 /cache
 USER 1000:1000
 WORKDIR /cache

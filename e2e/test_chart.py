@@ -184,7 +184,7 @@ def test_kube_version_constraint_is_enforced(tools: Tools) -> None:
 
 
 def test_dockerfiles_install_the_right_extras_and_run_as_the_pods_users() -> None:
-    from tokenmill.operator.children import ENGINE_UID
+    from tokenmill.operator.children.pod import ENGINE_UID
 
     engine = (REPO / "docker" / "engine.Dockerfile").read_text()
     op = (REPO / "docker" / "operator.Dockerfile").read_text()

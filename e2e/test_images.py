@@ -31,7 +31,7 @@ from e2e_helpers import (
     wait_for,
 )
 
-ENGINE_UID = 1000  # tokenmill.operator.children.ENGINE_UID, read from the Deployment below as well
+ENGINE_UID = 1000  # tokenmill.operator.children.pod.ENGINE_UID, read from the Deployment below as well
 RESTRICTED = ["--read-only", "--read-only-tmpfs=false", "--cap-drop", "ALL",
               "--security-opt", "no-new-privileges"]
 

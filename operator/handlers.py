@@ -20,11 +20,11 @@ import os
 
 import kopf
 from tokenmill.operator import reconcile as rec
-from tokenmill.operator.children import MANAGED_BY, OPERATOR_NAME
+from tokenmill.operator.children.meta import MANAGED_BY, OPERATOR_NAME
 from tokenmill.operator.kube import KubeApi
 from tokenmill.operator.leadership import acting
-from tokenmill.operator.operator_metrics import RECONCILE_SECONDS, RECONCILES
-from tokenmill.operator.spec import GROUP, KIND, PLURAL, VERSION
+from tokenmill.operator.plan.spec import GROUP, KIND, PLURAL, VERSION
+from tokenmill.operator.self_metrics import RECONCILE_SECONDS, RECONCILES
 
 log = logging.getLogger("tokenmill.operator")
 

@@ -13,7 +13,7 @@ import os
 import socket
 from urllib.parse import quote
 
-from tokenmill.operator.spec import GROUP, PLURAL, VERSION
+from tokenmill.operator.plan.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "tokenmill-operator"
 

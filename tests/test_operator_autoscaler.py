@@ -1,11 +1,11 @@
-from tokenmill.operator.autoscaler import (
+from tokenmill.operator.plan.autoscaler import (
     Recommendation,
     decide,
     decide_with_total,
     raw_recommendation,
     stabilize,
 )
-from tokenmill.operator.spec import ScalingSpec
+from tokenmill.operator.plan.spec import ScalingSpec
 
 
 def scaling(lo=1, hi=8, up=0, down=300) -> ScalingSpec:

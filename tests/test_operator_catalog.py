@@ -1,5 +1,5 @@
 import pytest
-from tokenmill.operator.catalog import (
+from tokenmill.operator.plan.catalog import (
     GPU_TYPES,
     MODEL_PROFILES,
     ProfileError,

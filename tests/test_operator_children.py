@@ -1,18 +1,14 @@
 import copy
 
 import pytest
-from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES
-from tokenmill.operator.children import (
-    desired_deployment,
-    desired_pdb,
-    desired_service,
-    differs,
-    endpoint,
-    engine_args,
-    startup_timeout_seconds,
-)
-from tokenmill.operator.sizing import plan
-from tokenmill.operator.spec import SpecError, parse_inference_service
+from tokenmill.operator.apply import differs
+from tokenmill.operator.children.deployment import desired_deployment
+from tokenmill.operator.children.pdb import desired_pdb
+from tokenmill.operator.children.pod import engine_args, startup_timeout_seconds
+from tokenmill.operator.children.service import desired_service, endpoint
+from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
+from tokenmill.operator.plan.sizing import plan
+from tokenmill.operator.plan.spec import SpecError, parse_inference_service
 
 
 def isvc(spec: dict, name: str = "chat") -> dict:
@@ -26,7 +22,7 @@ def smol(**extra) -> dict:
 
 def build(spec_dict: dict, replicas: int = 1):
     spec = parse_inference_service(isvc(spec_dict))
-    from tokenmill.operator.profiles import resolve_profile
+    from tokenmill.operator.plan.profiles import resolve_profile
 
     p = plan(resolve_profile(spec), GPU_TYPES[spec.gpu_type], spec.engine, spec.gpu_count)
     return spec, p, desired_deployment(spec, p, replicas, "img:1")

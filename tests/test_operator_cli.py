@@ -7,9 +7,9 @@ import sys
 import threading
 
 import pytest
-from tokenmill.engine.cli.main import main as tokenmill
-from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES
-from tokenmill.operator.sizing import plan
+from tokenmill.engine.cli import main as tokenmill
+from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
+from tokenmill.operator.plan.sizing import plan
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -96,12 +96,12 @@ def test_operator_cli_checks_its_arguments(capsys):
 
 
 def test_operator_image_needs_no_torch():
-    code = ("import sys, tokenmill.operator, tokenmill.operator.size_cli, tokenmill.operator.run_cli, "
+    code = ("import sys, tokenmill.operator, tokenmill.operator.cli.size, tokenmill.operator.cli.run, "
             "tokenmill.operator.handlers, tokenmill.operator.reconcile\n"
             "bad = [m for m in ('torch', 'triton', 'transformers', 'fastapi') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([PY, "-c", code], check=True, cwd=REPO, timeout=120)
-    bare = subprocess.run([PY, "-c", "import sys, tokenmill.operator, tokenmill.operator.sizing; "
+    bare = subprocess.run([PY, "-c", "import sys, tokenmill.operator, tokenmill.operator.plan.sizing; "
                                      "print(sorted(m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules))"],
                           check=True, cwd=REPO, timeout=120, capture_output=True, text=True)
     assert bare.stdout.strip() == "[]"  # sizing alone pulls in neither Kopf nor the Kubernetes client
@@ -139,7 +139,7 @@ def test_operator_process_refuses_to_start_without_the_crd(tmp_path):
                       f"{server.server_address[1]}'}}}}]\nusers: [{{name: u, user: {{token: t}}}}]\n"
                       "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n")
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-        proc = subprocess.run([PY, "-m", "tokenmill.engine.cli.main", "operator", "--kubeconfig", str(kc), "-n", "team-a"],
+        proc = subprocess.run([PY, "-m", "tokenmill.engine.cli", "operator", "--kubeconfig", str(kc), "-n", "team-a"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     finally:
         server.shutdown()

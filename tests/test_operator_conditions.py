@@ -1,14 +1,13 @@
-from tokenmill.operator.conditions import (
+from tokenmill.operator.plan.conditions import (
     CONDITION_TYPES,
     Condition,
     Facts,
     Rollout,
     compute_conditions,
-    merge_conditions,
     pod_problem,
     rollout_from,
-    transition_events,
 )
+from tokenmill.operator.status import merge_conditions, transition_events
 
 SIZED = Condition("Sized", "True", "Fits", "1 x nvidia-l4 per replica")
 NO_QUOTA = Condition("QuotaLimited", "False", "NoGPUQuota", "no ResourceQuota limits nvidia.com/gpu")

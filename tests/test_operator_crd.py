@@ -10,9 +10,9 @@ import re
 
 import pytest
 import yaml
-from tokenmill.operator.catalog import GPU_TYPES, find_model_profile
-from tokenmill.operator.sizing import valid_tensor_parallel_sizes
-from tokenmill.operator.spec import (
+from tokenmill.operator.plan.catalog import GPU_TYPES, find_model_profile
+from tokenmill.operator.plan.sizing import valid_tensor_parallel_sizes
+from tokenmill.operator.plan.spec import (
     BUNDLED_MODELS,
     DEFAULTS,
     GROUP,
@@ -171,9 +171,9 @@ def test_subresources_and_printer_columns(version):
 
 def test_status_schema_has_what_the_operator_writes(version):
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
-    from tokenmill.operator.catalog import MODEL_PROFILES
-    from tokenmill.operator.sizing import plan
-    from tokenmill.operator.status_fields import plan_status
+    from tokenmill.operator.plan.catalog import MODEL_PROFILES
+    from tokenmill.operator.plan.sizing import plan
+    from tokenmill.operator.status import plan_status
 
     p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"])
     assert set(plan_status(p, MODEL_PROFILES["SmolLM2-135M"])) <= set(status["sizing"]["properties"])

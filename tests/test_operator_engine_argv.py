@@ -19,7 +19,7 @@ import yaml
 from hub_standin import HubStandin
 from test_operator_reconcile import NS, FakeApi
 from tokenmill.operator import reconcile as rec
-from tokenmill.operator.hub import HubCache
+from tokenmill.operator.observe.hub import HubCache
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

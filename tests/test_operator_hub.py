@@ -13,8 +13,8 @@ from hub_standin import HubStandin
 from safetensors.numpy import save_file
 from test_operator_reconcile import NS, FakeApi, add_isvc, cond
 from tokenmill.operator import reconcile as rec
-from tokenmill.operator.hub import HubCache, HubError, fetch, weights_bytes
 from tokenmill.operator.kube import KubeError
+from tokenmill.operator.observe.hub import HubCache, HubError, fetch, weights_bytes
 
 # A Llama-shaped model the catalog does not have; the numbers sizing must come back with.
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 256,

@@ -4,12 +4,12 @@ plan, and reconcile running it (against the dict-backed fake; the real LWS contr
 The expected numbers are worked out by hand in the comments from the documented model (docs/operator.md,
 "Sizing" and "Multi-node"), not read back from the code."""
 
-from tokenmill.operator import lws
-from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES
-from tokenmill.operator.metrics import PodReading
-from tokenmill.operator.sizing import gpus_per_pod, gpus_per_replica, plan
-from tokenmill.operator.spec import parse_inference_service
-from tokenmill.operator.status_fields import plan_status
+from tokenmill.operator.children import leaderworkerset as lws
+from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
+from tokenmill.operator.plan.observations import PodReading
+from tokenmill.operator.plan.sizing import gpus_per_pod, gpus_per_replica, plan
+from tokenmill.operator.plan.spec import parse_inference_service
+from tokenmill.operator.status import plan_status
 
 from tests.test_operator_reconcile import NS, add_isvc, cond, gpu_quota, run
 from tests.test_operator_reconcile import FakeApi as SingleNodeFakeApi

@@ -1,7 +1,7 @@
 from fractions import Fraction
 
 import pytest
-from tokenmill.operator.quota import cap_replicas, parse_quantity, pod_gpus, quota_applies
+from tokenmill.operator.plan.quota import cap_replicas, parse_quantity, pod_gpus, quota_applies
 
 
 def quota(name="gpu", hard="8", used="0", key="requests.nvidia.com/gpu", **spec) -> dict:

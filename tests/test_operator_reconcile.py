@@ -4,9 +4,9 @@ import copy
 
 import pytest
 from tokenmill.operator import reconcile as rec
-from tokenmill.operator.hub import HubCache, HubError
 from tokenmill.operator.kube import KubeError, merge_patch
-from tokenmill.operator.metrics import PodReading
+from tokenmill.operator.observe.hub import HubCache, HubError
+from tokenmill.operator.plan.observations import PodReading
 
 NS = "team-a"
 

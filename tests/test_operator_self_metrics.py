@@ -5,7 +5,7 @@ import types
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-from tokenmill.operator import handlers, operator_metrics
+from tokenmill.operator import handlers, self_metrics
 
 
 def free_port() -> int:
@@ -24,7 +24,7 @@ def sample(text: str, name: str, result: str) -> float:
 
 def test_failed_and_successful_reconciles_are_counted_on_the_metrics_port(monkeypatch) -> None:
     port = free_port()
-    operator_metrics.serve(port, addr="127.0.0.1")
+    self_metrics.serve(port, addr="127.0.0.1")
 
     def scrape() -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -10,8 +10,8 @@ import math
 
 import pytest
 from tokenmill.engine.parallel_check import check_parallel_model
-from tokenmill.operator.catalog import GPU_TYPES, MODEL_PROFILES, ModelProfile
-from tokenmill.operator.sizing import (
+from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES, ModelProfile
+from tokenmill.operator.plan.sizing import (
     EngineSettings,
     auto_tensor_parallel_sizes,
     plan,

@@ -12,8 +12,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "download": ("tokenmill.engine.cli.download", "download a model (hf://ORG/NAME[@REV]) into the cache"),
     "generate": ("tokenmill.engine.cli.generate", "print a completion from a model"),
     "bench": ("tokenmill.engine.cli.bench", "benchmarks: throughput, serve, compare"),
-    "size": ("tokenmill.operator.size_cli", "print the KV-memory sizing plan for a model on a GPU"),
-    "operator": ("tokenmill.operator.run_cli", "run the Kubernetes operator"),
+    "size": ("tokenmill.operator.cli.size", "print the KV-memory sizing plan for a model on a GPU"),
+    "operator": ("tokenmill.operator.cli.run", "run the Kubernetes operator"),
 }
 
 

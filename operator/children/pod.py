@@ -1,19 +1,14 @@
-"""Desired children of an InferenceService as plain dicts: Deployment, Service, PodDisruptionBudget."""
+"""The engine pod both workload kinds run (a Deployment's pods, a LeaderWorkerSet's leaders): the
+`tokenmill serve` argv with every sized number explicit, probes, resources, volumes, security context."""
 
-import hashlib
-import json
 import math
 
-from tokenmill.operator import model_source
-from tokenmill.operator.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
-from tokenmill.operator.sizing import SizingPlan, gpus_per_pod
-from tokenmill.operator.spec import API_VERSION, KIND, ServiceSpec
+from tokenmill.operator.children import model_source
+from tokenmill.operator.children.meta import PORT, labels
+from tokenmill.operator.plan.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
+from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_pod
+from tokenmill.operator.plan.spec import ServiceSpec
 
-PORT = 8000
-OPERATOR_NAME = "tokenmill-operator"
-SERVICE_LABEL = "serving.tokenmill.dev/inferenceservice"
-DESIRED_HASH = "serving.tokenmill.dev/desired-hash"
-MANAGED_BY = "app.kubernetes.io/managed-by"
 ENGINE_UID = 1000  # the engine image's non-root user
 CACHE_DIR = "/cache"  # HOME and XDG_CACHE_HOME: GGUF conversions, Triton caches (per pod, emptyDir)
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tokenmill/tokenmill:0.1.0"
@@ -33,40 +28,6 @@ LIVENESS_PATH = "/live"
 # SIGTERM drains in-flight generations; the engine must finish (or abort) them before the kubelet kills.
 TERMINATION_GRACE_SECONDS = 120
 SHUTDOWN_GRACE_SECONDS = 110
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    return {SERVICE_LABEL: name}
-
-
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
-
-
-def labels(name: str) -> dict[str, str]:
-    return {
-        **selector_labels(name),
-        "app.kubernetes.io/name": "tokenmill-engine",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": "engine",
-        MANAGED_BY: OPERATOR_NAME,
-    }
-
-
-def owner_reference(spec: ServiceSpec) -> dict:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": spec.name,
-        "uid": spec.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def endpoint(spec: ServiceSpec) -> str:
-    """In-cluster OpenAI base URL; the short form resolves under any cluster domain."""
-    return f"http://{spec.name}.{spec.namespace}.svc:{PORT}/v1"
 
 
 def startup_timeout_seconds(spec: ServiceSpec, plan: SizingPlan) -> int:
@@ -219,109 +180,3 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: s
     }
     return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec}
 
-
-def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str,
-                       hf_endpoint: str | None = None) -> dict:
-    startup = startup_timeout_seconds(spec, plan)
-    return stamp({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _metadata(spec),
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector_labels(spec.name)},
-            # GPUs are scarce and quota-capped: replace pods one at a time instead of surging an extra
-            # replica that may find no free GPU or no quota (a stuck rollout).
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            # The Deployment must not call a slow model load a failed rollout.
-            "progressDeadlineSeconds": startup + 300,
-            "revisionHistoryLimit": 3,
-            "template": pod_template(spec, plan, image, hf_endpoint),
-        },
-    })
-
-
-def desired_service(spec: ServiceSpec, only: dict[str, str] | None = None) -> dict:
-    """`only`: extra selector labels (a multi-node service sends traffic to its leaders only)."""
-    return stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(spec),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": {**selector_labels(spec.name), **(only or {})},
-            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}],
-        },
-    })
-
-
-def wants_pdb(spec: ServiceSpec) -> bool:
-    """A PDB when the service may run more than one replica. Decided from the spec, not the current
-    count, so autoscaling does not create and delete it back and forth."""
-    if spec.scaling is not None:
-        return spec.scaling.max_replicas > 1
-    return (spec.replicas or 0) > 1
-
-
-def desired_pdb(spec: ServiceSpec) -> dict | None:
-    if not wants_pdb(spec):
-        return None
-    return stamp({
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": _metadata(spec),
-        "spec": {
-            "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(spec.name)},
-            # Let drains evict pods that are not serving anyway (crash-looping, still loading).
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
-    })
-
-
-def child_metadata(spec: ServiceSpec) -> dict:
-    """Name, namespace, labels and the owner reference every child carries."""
-    return _metadata(spec)
-
-
-def _metadata(spec: ServiceSpec) -> dict:
-    return {
-        "name": spec.name,
-        "namespace": spec.namespace,
-        "labels": labels(spec.name),
-        "ownerReferences": [owner_reference(spec)],
-    }
-
-
-def is_owned_by(obj: dict, spec: ServiceSpec) -> bool:
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return any(r.get("uid") == spec.uid and r.get("kind") == KIND for r in refs)
-
-
-def stamp(obj: dict) -> dict:
-    """Record a hash of the desired object on it: when our own desired state drops a field, the hash
-    changes and the next apply removes the field (a field-by-field comparison cannot see a removal)."""
-    digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-    obj["metadata"]["annotations"] = {**obj["metadata"].get("annotations", {}), DESIRED_HASH: digest}
-    return obj
-
-
-def differs(desired: object, live: object) -> bool:
-    """Whether applying `desired` would change `live`: every value we set must be there as we set it.
-
-    Mirrors server-side apply: fields others set (or the API server defaults) are ignored; lists of
-    named items (containers, env, volumes, ports) merge by name, so items others added are theirs;
-    other lists (args, tolerations, node selector terms) are atomic and must match exactly.
-    """
-    if isinstance(desired, dict):
-        if not isinstance(live, dict):
-            return True
-        return any(differs(v, live.get(k)) for k, v in desired.items())
-    if isinstance(desired, list):
-        if not isinstance(live, list):
-            return True
-        if desired and all(isinstance(d, dict) and "name" in d for d in desired):
-            by_name = {x.get("name"): x for x in live if isinstance(x, dict)}
-            return any(differs(d, by_name.get(d["name"])) for d in desired)
-        return len(desired) != len(live) or any(differs(d, x) for d, x in zip(desired, live, strict=True))
-    return desired != live

@@ -17,7 +17,8 @@ import tempfile
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+
+from tokenmill.operator.plan.observations import HubError, HubModel
 
 log = logging.getLogger("tokenmill.operator")
 
@@ -27,25 +28,6 @@ HUB_TIMEOUT_SECONDS = 10.0
 CACHE_SECONDS = 3600.0
 ERROR_CACHE_SECONDS = 60.0
 WEIGHT_SUFFIXES = (".safetensors",)
-
-
-class HubError(Exception):
-    """A lookup that failed; `reason` is the condition reason, the message names the repo."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class HubModel:
-    repo_id: str
-    revision: str  # as asked (branch, tag or commit); "main" when the URI has none
-    commit: str  # the commit sha it resolved to
-    gated: bool
-    weights_bytes: int | None  # bytes of the safetensors files the engine loads
-    parameters: int | None  # from the safetensors metadata, when the Hub has it
-    config: dict | None = None  # config.json, fetched only when asked for
 
 
 def parse_hf_uri(uri: str) -> tuple[str, str | None]:

@@ -9,24 +9,12 @@ import math
 import string
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from tokenmill.engine import metric_names as mn
-
-PORT = 8000
-
-
-@dataclass(slots=True)
-class PodReading:
-    waiting: float = 0.0
-    running: float = 0.0
-    timestamp: float | None = None  # sample time (Prometheus); None = read just now
-    capacity: dict = field(default_factory=dict)  # status.sizing.measured keys
-
-    @property
-    def queue_depth(self) -> float:
-        return self.waiting + self.running
-
+from tokenmill.operator.children.leaderworkerset import serving_pods
+from tokenmill.operator.children.meta import PORT
+from tokenmill.operator.plan.observations import TOTAL, EngineReadings, PodReading
+from tokenmill.operator.plan.spec import ServiceSpec
 
 # capacity gauge -> status.sizing.measured key
 CAPACITY_GAUGES = {
@@ -131,9 +119,6 @@ def _prom_query(url: str, query: str, timeout: float, http_get: HttpGet) -> list
     return data.get("result") or []
 
 
-TOTAL = "*"  # key of a reading that covers all pods (a custom query without a pod label)
-
-
 def query_prometheus(
     url: str,
     namespace: str,
@@ -185,3 +170,38 @@ def measured_capacity(readings: dict[str, PodReading]) -> dict:
     if loads:
         out["modelLoadSeconds"] = round(max(loads), 3)
     return out
+
+
+def is_ready(pod: dict) -> bool:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    status = pod.get("status") or {}
+    return status.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+
+
+Readings = Callable[..., dict[str, PodReading]]  # scrape_pods or query_prometheus (tests pass stand-ins)
+
+
+def read_engines(spec: ServiceSpec, pods: list[dict], autoscale: bool, timeout: float, scrape: Readings,
+                 query: Readings) -> EngineReadings:
+    """The ready serving pods, and (on autoscaling passes) what their engines report. A fixed-size service
+    (spec.scaling None) is read from its pods too: the readings fill status.sizing.measured."""
+    ready = [p for p in serving_pods(pods) if is_ready(p)]
+    if not autoscale or not ready:
+        return EngineReadings(ready)
+    if spec.scaling is not None and spec.scaling.metrics_source == "prometheus":
+        try:
+            readings = query(
+                spec.scaling.prometheus_url, spec.namespace, spec.name, [p["metadata"]["name"] for p in ready],
+                spec.scaling.prometheus_query, timeout=max(timeout, 3.0),
+            )
+        except Exception as e:  # Prometheus down or answering garbage: hold, and say so
+            return EngineReadings(ready, error=f"cannot query Prometheus at {spec.scaling.prometheus_url}: {e}")
+    else:
+        try:
+            readings = scrape(ready, timeout=timeout)
+        except Exception as e:
+            return EngineReadings(ready, error=f"cannot read the pods' /metrics: {e}")
+    return EngineReadings(ready, readings, measured=measured_capacity(readings))

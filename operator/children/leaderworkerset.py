@@ -7,9 +7,10 @@ LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX; the engine rendezvous f
 spec and plan in, dicts out.
 """
 
-from tokenmill.operator import children
-from tokenmill.operator.sizing import SizingPlan
-from tokenmill.operator.spec import ServiceSpec
+from tokenmill.operator.children.meta import child_metadata, stamp
+from tokenmill.operator.children.pod import pod_template
+from tokenmill.operator.plan.sizing import SizingPlan
+from tokenmill.operator.plan.spec import ServiceSpec
 
 GROUP, VERSION, PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -72,9 +73,9 @@ def worker_template(leader: dict) -> dict:
 def desired_leaderworkerset(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str,
                             hf_endpoint: str | None = None) -> dict:
     """`replicas` groups of `plan.nodes_per_replica` pods (LWS's spec.replicas counts groups)."""
-    leader = _with_role(children.pod_template(spec, plan, image, hf_endpoint), LEADER)
-    metadata = {**children._metadata(spec), "name": lws_name(spec)}
-    return children.stamp({
+    leader = _with_role(pod_template(spec, plan, image, hf_endpoint), LEADER)
+    metadata = {**child_metadata(spec), "name": lws_name(spec)}
+    return stamp({
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": metadata,
@@ -119,6 +120,11 @@ def rollout_source(lws: dict | None) -> dict | None:
             "observedGeneration": generation - 1 if updating else generation,
         },
     }
+
+
+def as_deployment(kind: str, workload: dict | None) -> dict | None:
+    """A workload of either kind in the shape conditions.rollout_from reads (a Deployment's)."""
+    return rollout_source(workload) if kind == KIND else workload
 
 
 def serving_pods(pods: list[dict]) -> list[dict]:

@@ -7,7 +7,7 @@ out. The history lives in the object's status, so a restarted (or failed-over) o
 import math
 from dataclasses import dataclass, field
 
-from tokenmill.operator.spec import ScalingSpec
+from tokenmill.operator.plan.spec import ScalingSpec
 
 # Prometheus samples older than this are stale: the engine stopped reporting, or the scrape broke.
 STALE_AFTER_SECONDS = 120.0

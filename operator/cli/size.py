@@ -5,7 +5,7 @@ import json
 import sys
 
 import yaml
-from tokenmill.operator.catalog import (
+from tokenmill.operator.plan.catalog import (
     GPU_TYPES,
     MODEL_PROFILES,
     ModelProfile,
@@ -14,7 +14,7 @@ from tokenmill.operator.catalog import (
     profile_from_hf_config,
     profile_from_spec,
 )
-from tokenmill.operator.sizing import EngineSettings, SizingPlan, gb, plan
+from tokenmill.operator.plan.sizing import EngineSettings, SizingPlan, gb, plan
 
 FIELD_ORDER = (
     "weights_bytes", "kv_bytes_per_token", "kv_blocks", "kv_tokens", "max_model_len", "max_num_seqs",

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from tokenmill.operator.catalog import GPU_RESOURCE
+from tokenmill.operator.plan.catalog import GPU_RESOURCE
 
 # Quota keys that limit GPUs. The API server accepts only the requests. form for extended resources;
 # the other two are read too so that a quota written either way is never ignored.

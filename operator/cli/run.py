@@ -10,7 +10,7 @@ import os
 import random
 import sys
 
-from tokenmill.operator.children import DEFAULT_ENGINE_IMAGE
+from tokenmill.operator.children.pod import DEFAULT_ENGINE_IMAGE
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,8 +58,8 @@ def main(argv: list[str]) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     from tokenmill.operator import handlers
-    from tokenmill.operator.operator_metrics import serve as serve_metrics
     from tokenmill.operator.reconcile import OperatorConfig
+    from tokenmill.operator.self_metrics import serve as serve_metrics
 
     config = OperatorConfig(engine_image=args.engine_image, interval=args.interval,
                             hf_endpoint=args.hf_endpoint.rstrip("/") if args.hf_endpoint else None)

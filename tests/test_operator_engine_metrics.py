@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from tokenmill.operator.metrics import (
+from tokenmill.operator.observe.engine_metrics import (
     TOTAL,
     default_queries,
     measured_capacity,

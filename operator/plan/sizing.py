@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from tokenmill.engine import kv_memory as kvm
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.parallel_check import tp_fits_model
-from tokenmill.operator.catalog import GPU_TYPES, GPUType, ModelProfile
+from tokenmill.operator.plan.catalog import GPU_TYPES, GPUType, ModelProfile
 
 # Tensor parallel stays inside one node: eight GPUs is the largest node shape in the catalog's clouds.
 MAX_TENSOR_PARALLEL_SIZE = 8

@@ -4,10 +4,11 @@ cache that hf:// downloads go to, and the Hub environment (token, endpoint).
 Who downloads: the engine itself, at start, into HF_HOME on the cache volume (no init container). The
 engine's model source fetches only the files it loads, resumes a cut download and skips what the cache
 holds, so a second replica or a restart on a shared cache reads the weights without downloading them
-again. The startup probe's budget includes the download (children.startup_timeout_seconds).
+again. The startup probe's budget includes the download (pod.py's startup_timeout_seconds). The claim
+the operator creates for the cache is cache_pvc.py's.
 """
 
-from tokenmill.operator.spec import ServiceSpec
+from tokenmill.operator.plan.spec import ServiceSpec
 
 MODELS_DIR = "/models"  # pvc:// claims are mounted at MODELS_DIR/CLAIM, read-only
 MODEL_CACHE_DIR = "/model-cache"  # the cache volume; HF_HOME is MODEL_CACHE_DIR/huggingface
@@ -50,29 +51,3 @@ def env(spec: ServiceSpec, hf_endpoint: str | None) -> list[dict]:
         name, key = spec.token_secret
         out.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     return out
-
-
-def cache_access_mode(spec: ServiceSpec, max_replicas: int) -> str:
-    """ReadWriteMany when pods on several nodes may share the cache; one replica can do with RWO."""
-    if spec.cache is not None and spec.cache.access_mode:
-        return spec.cache.access_mode
-    return "ReadWriteMany" if max_replicas > 1 else "ReadWriteOnce"
-
-
-def desired_cache_claim(spec: ServiceSpec, max_replicas: int, metadata: dict) -> dict | None:
-    """The PVC the operator creates from spec.model.cache.size (None when the user names one or there
-    is no cache). It carries the owner reference: deleting the InferenceService deletes the cache."""
-    if spec.cache is None or spec.cache.size is None:
-        return None
-    claim_spec = {
-        "accessModes": [cache_access_mode(spec, max_replicas)],
-        "resources": {"requests": {"storage": spec.cache.size}},
-    }
-    if spec.cache.storage_class:
-        claim_spec["storageClassName"] = spec.cache.storage_class
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {**metadata, "name": cache_claim_name(spec)},
-        "spec": claim_spec,
-    }

@@ -8,8 +8,8 @@ instead of a crash. The defaults here are the CRD's defaults (a test keeps them 
 import re
 from dataclasses import dataclass, field
 
-from tokenmill.operator.catalog import GPU_TYPES
-from tokenmill.operator.sizing import EngineSettings
+from tokenmill.operator.plan.catalog import GPU_TYPES
+from tokenmill.operator.plan.sizing import EngineSettings
 
 GROUP = "serving.tokenmill.dev"
 VERSION = "v1alpha1"

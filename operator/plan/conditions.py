@@ -1,5 +1,6 @@
 """Status conditions in kstatus conventions (Ready, Reconciling, Stalled) plus Sized, QuotaLimited and
-ScalingActive, and the events that their transitions produce.
+ScalingActive, decided from the Facts one reconcile gathers. status.py merges them into the status
+(transition times) and turns their transitions into events.
 
 kstatus reads a resource as Current when observedGeneration equals metadata.generation, Reconciling
 and Stalled are not True, and Ready is True; Argo CD's and Flux's health checks follow the same rule.
@@ -159,62 +160,3 @@ def _progress(r: Rollout | None) -> tuple[str, str] | None:
     if r.replicas > r.desired and r.needed == r.desired:
         return "ScalingDown", f"{r.replicas} pods, {r.desired} desired"
     return None
-
-
-def merge_conditions(previous: list[dict] | None, new: list[Condition], generation: int, now: str) -> list[dict]:
-    """metav1.Condition dicts; lastTransitionTime moves only when the status flips."""
-    old = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
-    out = []
-    for cond in new:
-        prev = old.get(cond.type)
-        changed = prev is None or prev.get("status") != cond.status
-        out.append({
-            "type": cond.type,
-            "status": cond.status,
-            "reason": cond.reason,
-            "message": cond.message,
-            "lastTransitionTime": now if changed else prev.get("lastTransitionTime", now),
-            "observedGeneration": generation,
-        })
-    return out
-
-
-PROGRESS_REASONS = {"Creating", "RollingOut", "WaitingForReplicas", "ScalingDown"}
-
-
-def is_bad(cond: Condition) -> bool:
-    """Whether a condition asks for attention (a Warning event)."""
-    if cond.status == "Unknown":
-        return True
-    if cond.type in ("Stalled", "QuotaLimited"):
-        return cond.status == "True"
-    if cond.type == "Reconciling":
-        return False
-    if cond.type == "ScalingActive":
-        return cond.status == "False" and cond.reason not in ("FixedReplicas", "NotSized", "WaitingForMetrics",
-                                                              "NoReadyPods")
-    if cond.type == "Ready" and cond.reason in PROGRESS_REASONS:
-        return False  # on its way, not in trouble
-    return cond.status == "False"  # Ready, Sized
-
-
-def transition_events(previous: list[dict] | None, new: list[Condition]) -> list[tuple[str, str, str]]:
-    """(type, reason, message) for each condition whose status or reason changed. Reconciling is left
-    out (Ready carries the same news); a first status is news for Sized, and for others when bad."""
-    old = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
-    events = []
-    for cond in new:
-        if cond.type == "Reconciling":
-            continue
-        prev = old.get(cond.type)
-        if prev is not None and prev.get("status") == cond.status:
-            before = Condition(cond.type, prev.get("status", ""), prev.get("reason", ""), "")
-            if prev.get("reason") == cond.reason or (not is_bad(before) and not is_bad(cond)):
-                continue  # same news, or progress on the way (RollingOut -> WaitingForReplicas)
-        if prev is None and cond.type != "Sized" and not is_bad(cond) and cond.type != "Ready":
-            continue
-        if prev is None and cond.type == "Ready" and cond.status != "True":
-            continue  # "Creating" on a new object is not news
-        kind = "Warning" if is_bad(cond) else "Normal"
-        events.append((kind, cond.reason, f"{cond.type}={cond.status}: {cond.message}"))
-    return events

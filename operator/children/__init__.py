@@ -1,0 +1,1 @@
+"""Desired children of an InferenceService as plain dicts, one module per child kind."""

@@ -1,0 +1,1 @@
+"""The operator's subcommands of `tokenmill`: `size` and `operator` (engine/cli/main.py dispatches here)."""

@@ -1,0 +1,97 @@
+"""How many replicas an InferenceService runs: the fixed size, or the autoscaler's decision from the
+ready pods' queue depth; then the GPU quota cap. Pure: the engines' readings, the quotas, the pods and
+the previous status come in (observe/ reads them).
+
+The stabilization rule itself is autoscaler.py's; this module gathers its inputs (the capacity target,
+the recommendation history kept in status) and turns the outcome into conditions.
+"""
+
+from dataclasses import dataclass
+
+from tokenmill.operator.plan import autoscaler
+from tokenmill.operator.plan.conditions import Condition
+from tokenmill.operator.plan.observations import TOTAL, EngineReadings
+from tokenmill.operator.plan.quota import QuotaCap, cap_replicas
+from tokenmill.operator.plan.sizing import REFERENCE_SEQUENCE_TOKENS, SizingPlan, gpus_per_replica
+from tokenmill.operator.plan.spec import ServiceSpec
+
+
+def capacity_target(p: SizingPlan, measured: dict | None) -> int:
+    """Requests one replica serves without queueing: the planned target, or the same rule applied to
+    the KV tokens the engines report once they run (the closed loop)."""
+    tokens = (measured or {}).get("kvTokens")
+    if not tokens:
+        return p.target_queue_depth
+    per_seq = -(-min(p.max_model_len, REFERENCE_SEQUENCE_TOKENS) // p.block_size)
+    return max(1, min(p.max_num_seqs, (int(tokens) // p.block_size) // per_seq))
+
+
+def target(spec: ServiceSpec, sizing: SizingPlan, measured: dict | None) -> int:
+    if spec.scaling is not None and spec.scaling.target_queue_depth is not None:
+        return spec.scaling.target_queue_depth
+    return capacity_target(sizing, measured)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPlan:
+    replicas: int  # what the workload gets: the fixed size or the autoscaler's, capped by the GPU quota
+    scaling: Condition  # ScalingActive
+    quota: Condition  # QuotaLimited
+    decision: autoscaler.ScaleDecision | None  # the autoscaler's, when it decided this pass
+    why: str  # what an event about a change of size says
+
+
+def plan_replicas(spec: ServiceSpec, sizing: SizingPlan, *, current: int | None, engines: EngineReadings,
+                  measured: dict | None, previous: dict, history: tuple[autoscaler.Recommendation, ...],
+                  quotas: list[dict], pods: list[dict], interval: float, stale_after: float, autoscale: bool,
+                  now: float) -> ReplicaPlan:
+    """`current`: the workload's replicas (None before it exists); `previous`: the status last written,
+    `history` its recommendations; `pods`: this service's pods, whose GPUs count as its own headroom."""
+    wanted, scaling, decision = decide_replicas(spec, sizing, current, engines, measured, previous, history,
+                                                interval, stale_after, autoscale, now)
+    cap = cap_replicas(wanted, gpus_per_replica(sizing), quotas, pods, spec.template.get("priorityClassName"))
+    replicas = wanted if cap.max_replicas is None else min(wanted, cap.max_replicas)
+    why = cap.message if cap.limited else scaling.message
+    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, why)
+
+
+def decide_replicas(spec: ServiceSpec, sizing: SizingPlan, current: int | None, engines: EngineReadings,
+                    measured: dict | None, previous: dict, history: tuple[autoscaler.Recommendation, ...],
+                    interval: float, stale_after: float, autoscale: bool,
+                    now: float) -> tuple[int, Condition, autoscaler.ScaleDecision | None]:
+    """(wanted replicas, ScalingActive condition, decision or None)."""
+    if spec.scaling is None:
+        return spec.replicas, Condition("ScalingActive", "False", "FixedReplicas",
+                                        f"spec.replicas is {spec.replicas}; autoscaling is off"), None
+    s = spec.scaling
+    tgt = target(spec, sizing, measured)
+    clamped = None if current is None else max(s.min_replicas, min(s.max_replicas, current))
+    prev_cond = next((c for c in previous.get("conditions") or [] if c.get("type") == "ScalingActive"), None)
+    if current is None or not autoscale:
+        if prev_cond and prev_cond.get("reason") not in ("FixedReplicas", "NotSized"):
+            cond = Condition("ScalingActive", prev_cond["status"], prev_cond.get("reason", ""), prev_cond.get("message", ""))
+        else:
+            cond = Condition("ScalingActive", "False", "WaitingForMetrics",
+                             f"starting at {clamped or s.min_replicas} replicas; queue depth is read every "
+                             f"{interval:g}s once pods are ready")
+        return (s.min_replicas if current is None else clamped), cond, None
+    if engines.error is not None:
+        decision = autoscaler.ScaleDecision(clamped, False, "MetricsUnavailable",
+                                            f"{engines.error}; holding at {clamped} replicas",
+                                            None, tgt, history)
+    elif TOTAL in engines.readings:
+        decision = autoscaler.decide_with_total(s, current, engines.readings[TOTAL].queue_depth, tgt, history, now)
+    else:
+        per_pod = {pod: (r.queue_depth, r.timestamp) for pod, r in engines.readings.items()}
+        decision = autoscaler.decide(s, current, [p["metadata"]["name"] for p in engines.ready], per_pod, tgt,
+                                     history, now, stale_after)
+    cond = Condition("ScalingActive", "True" if decision.active else "False", decision.reason, decision.message)
+    return decision.replicas, cond, decision
+
+
+def quota_condition(cap: QuotaCap) -> Condition:
+    if cap.limited:
+        return Condition("QuotaLimited", "True", "GPUQuotaExceeded", cap.message)
+    if cap.max_replicas is None:
+        return Condition("QuotaLimited", "False", "NoGPUQuota", cap.message)
+    return Condition("QuotaLimited", "False", "WithinQuota", cap.message)

@@ -1,0 +1,274 @@
+"""The status stage: every field of an InferenceService's status, the conditions merged with their
+transition times, the events, and the one status patch a reconcile writes.
+
+The conditions themselves are decided in plan/conditions.py from the Facts a reconcile gathers; here
+they get their lastTransitionTime and observedGeneration (kstatus), and their transitions become events.
+"""
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+
+from tokenmill.operator.apply import Applied, Event
+from tokenmill.operator.children.leaderworkerset import KIND as LWS_KIND
+from tokenmill.operator.children.leaderworkerset import LEADER, ROLE_LABEL
+from tokenmill.operator.children.meta import selector_string
+from tokenmill.operator.children.service import endpoint
+from tokenmill.operator.kube import KubeError, merge_patch
+from tokenmill.operator.observe.cluster import Live
+from tokenmill.operator.plan.autoscaler import Recommendation, ScaleDecision
+from tokenmill.operator.plan.catalog import ModelProfile
+from tokenmill.operator.plan.conditions import Condition, Facts, compute_conditions, rollout_from
+from tokenmill.operator.plan.observations import HubModel
+from tokenmill.operator.plan.profiles import Sized
+from tokenmill.operator.plan.replicas import ReplicaPlan, target
+from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_replica
+from tokenmill.operator.plan.spec import ServiceSpec
+
+log = logging.getLogger("tokenmill.operator")
+
+
+@dataclass(slots=True)
+class Report:
+    """What one reconcile writes: the status (conditions still to come), their facts, its events."""
+
+    status: dict
+    facts: Facts
+    events: list[Event] = field(default_factory=list)
+
+
+def iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def from_iso(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+def own_status(body: dict) -> dict:
+    """The status last written, without what Kopf keeps there."""
+    return {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"}
+
+
+def plan_status(p: SizingPlan, profile: ModelProfile | None) -> dict:
+    return {
+        "model": p.model,
+        "profileSource": profile.source if profile else "",
+        "feasible": p.feasible,
+        "reason": p.reason,
+        "message": p.message,
+        "gpuType": p.gpu_type,
+        "gpusPerReplica": gpus_per_replica(p),
+        "nodesPerReplica": p.nodes_per_replica,
+        "tensorParallelSize": p.tensor_parallel_size,
+        "pipelineParallelSize": p.pipeline_parallel_size,
+        "dtype": p.dtype,
+        "gpuMemoryBytes": p.gpu_memory_bytes,
+        "weightsBytes": p.weights_bytes,
+        "weightsBytesPerGPU": p.weights_bytes_per_gpu,
+        "overheadBytes": p.overhead_bytes,
+        "kvCacheBytes": p.kv_cache_bytes,
+        "kvBytesPerToken": p.kv_bytes_per_token,
+        "blockSize": p.block_size,
+        "kvBlocks": p.kv_blocks,
+        "kvTokens": p.kv_tokens,
+        "maxModelLen": p.max_model_len,
+        "maxNumSeqs": p.max_num_seqs,
+        "targetQueueDepth": p.target_queue_depth,
+    }
+
+
+def hub_status(hub_model: HubModel, profile: ModelProfile | None) -> dict:
+    """status.sizing.hub: the repo and commit the plan describes, and which numbers came from it."""
+    out = {"repo": hub_model.repo_id, "revision": hub_model.revision, "commit": hub_model.commit,
+           "gated": hub_model.gated}
+    if hub_model.weights_bytes is not None:
+        out["weightsBytes"] = hub_model.weights_bytes
+    if profile is not None and profile.source.startswith("hub"):
+        out["configFile"] = f"config.json at {hub_model.commit}"
+        out["parametersFrom"] = "safetensors metadata" if hub_model.parameters else "estimated from config.json"
+    return out
+
+
+def sizing_status(spec: ServiceSpec, sized: Sized) -> dict:
+    """status.sizing: the plan, or why there is none."""
+    if sized.plan is None:
+        e = sized.error
+        return {"feasible": False, "reason": e.reason, "message": str(e), "gpuType": spec.gpu_type}
+    out = plan_status(sized.plan, sized.profile)
+    if sized.hub_model is not None:
+        out["hub"] = hub_status(sized.hub_model, sized.profile)
+    return out
+
+
+def measurement(previous: dict, sizing: SizingPlan | None, generation: int, measured: dict,
+                now: float) -> tuple[dict | None, list[Event]]:
+    """status.sizing.measured: the capacity the engines report now (with the first report's event), else
+    the last one while it describes the current generation's pods."""
+    if measured:
+        first = not (previous.get("sizing") or {}).get("measured")
+        return {**measured, "time": iso(now)}, [capacity_event(sizing, measured)] if first else []
+    old = (previous.get("sizing") or {}).get("measured")
+    return (old if old and previous.get("observedGeneration") == generation else None), []
+
+
+def capacity_event(sizing: SizingPlan, measured: dict) -> tuple[str, str, str]:
+    tokens = measured.get("kvTokens")
+    text = f"engines report {tokens} KV tokens per replica (estimate {sizing.kv_tokens})"
+    if tokens and abs(tokens - sizing.kv_tokens) > 0.05 * sizing.kv_tokens:
+        return ("Warning", "CapacityMismatch", text + ": the model profile may not match the weights")
+    return ("Normal", "CapacityMeasured", text)
+
+
+def recommendations(previous: dict) -> tuple[Recommendation, ...]:
+    """The autoscaler's history, as scaling_status wrote it (a restarted operator continues it)."""
+    out = []
+    for item in ((previous.get("scaling") or {}).get("recommendations")) or []:
+        try:
+            out.append(Recommendation(from_iso(item["time"]), int(item["replicas"])))
+        except (KeyError, ValueError, TypeError):
+            continue  # a hand-edited status: drop the entry rather than fail
+    return tuple(sorted(out, key=lambda r: r.time))
+
+
+def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decision: ScaleDecision | None,
+                   measured: dict | None, scaled_at: str | None) -> dict | None:
+    """status.scaling of an autoscaled service (None for a fixed size)."""
+    if spec.scaling is None:
+        return None
+    out = dict(previous.get("scaling") or {})
+    if scaled_at is not None:
+        out["lastScaleTime"] = scaled_at
+    out["targetQueueDepth"] = decision.target if decision else target(spec, sizing, measured)
+    if decision is not None:
+        out["recommendations"] = [{"time": iso(r.time), "replicas": r.replicas} for r in decision.history]
+        if decision.queue_depth is not None:
+            out["currentQueueDepth"] = decision.queue_depth
+    return out
+
+
+def _status(spec: ServiceSpec, sized: Sized, live: Live, measured: dict | None, desired: int,
+            workload: dict | None) -> dict:
+    selector = selector_string(spec.name)
+    if live.workload_kind == LWS_KIND:
+        selector += f",{ROLE_LABEL}={LEADER}"  # the leaders: one per replica, for the scale subresource
+    status = {"observedGeneration": spec.generation, "selector": selector, "endpoint": endpoint(spec),
+              "sizing": sizing_status(spec, sized)}
+    if measured:
+        status["sizing"]["measured"] = measured
+    counts = (workload or {}).get("status") or {}
+    status["desiredReplicas"] = desired
+    status["replicas"] = int(counts.get("replicas") or 0)
+    status["readyReplicas"] = int(counts.get("readyReplicas") or 0)
+    return status
+
+
+def invalid(body: dict, error: str) -> Report:
+    """A spec that does not parse: only the generation, the selector and the conditions."""
+    meta = body.get("metadata") or {}
+    status = {"observedGeneration": int(meta.get("generation") or 0), "selector": selector_string(meta.get("name"))}
+    return Report(status, Facts(spec_error=error))
+
+
+def held(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, blocker: tuple[str, str] | None,
+         now: float) -> Report:
+    """Infeasible or blocked: nothing was created, and a running workload was left as it is (a bad edit
+    must not take down a service that works); the conditions say why."""
+    keep = live.current if live.current is not None else 0
+    measured, _ = measurement(previous, sized.plan, spec.generation, {}, now)
+    status = _status(spec, sized, live, measured, keep, live.workload)
+    return Report(status, Facts(sized=sized.condition, blocker=blocker, rollout=rollout_from(live.workload, keep, live.pods),
+                                endpoint=status["endpoint"]))
+
+
+def serving(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, replicas: ReplicaPlan, applied: Applied,
+            measured: dict | None, events: list[Event], now: float) -> Report:
+    """The children applied: their counts, the scaling history and the rollout's conditions."""
+    status = _status(spec, sized, live, measured, replicas.replicas, applied.workload)
+    scaling = scaling_status(spec, sized.plan, previous, replicas.decision, measured,
+                             iso(now) if applied.scaled else None)
+    if scaling is not None:
+        status["scaling"] = scaling
+    floor = spec.scaling.min_replicas if spec.scaling is not None else None
+    rollout = rollout_from(applied.workload, replicas.replicas, live.pods, floor, applied.spec_changed)
+    return Report(status, Facts(sized=sized.condition, rollout=rollout, quota=replicas.quota,
+                                scaling=replicas.scaling, endpoint=status["endpoint"]), events)
+
+
+def write_status(api, body: dict, previous: dict, report: Report, now: float) -> dict:
+    """Merge the conditions, patch what changed (nothing in a steady state) and post the events."""
+    meta = body.get("metadata") or {}
+    ns, name = meta.get("namespace"), meta.get("name")
+    status, generation = report.status, report.status["observedGeneration"]
+    conditions = compute_conditions(report.facts)
+    status["conditions"] = merge_conditions(previous.get("conditions"), conditions, generation, iso(now))
+    events = [*report.events, *transition_events(previous.get("conditions"), conditions)]
+    patch = merge_patch(previous, status)
+    if patch:
+        api.patch_status(ns, name, patch)
+    for type_, reason, message in events:
+        log.log(logging.WARNING if type_ == "Warning" else logging.INFO, "%s/%s %s: %s", ns, name, reason, message)
+        try:
+            api.create_event(body, type_, reason, message)
+        except KubeError as e:  # events are best effort; the status already says it
+            log.warning("event for %s/%s not posted: %s", ns, name, e)
+    return status
+
+
+def merge_conditions(previous: list[dict] | None, new: list[Condition], generation: int, now: str) -> list[dict]:
+    """metav1.Condition dicts; lastTransitionTime moves only when the status flips."""
+    old = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
+    out = []
+    for cond in new:
+        prev = old.get(cond.type)
+        changed = prev is None or prev.get("status") != cond.status
+        out.append({
+            "type": cond.type,
+            "status": cond.status,
+            "reason": cond.reason,
+            "message": cond.message,
+            "lastTransitionTime": now if changed else prev.get("lastTransitionTime", now),
+            "observedGeneration": generation,
+        })
+    return out
+
+
+PROGRESS_REASONS = {"Creating", "RollingOut", "WaitingForReplicas", "ScalingDown"}
+
+
+def is_bad(cond: Condition) -> bool:
+    """Whether a condition asks for attention (a Warning event)."""
+    if cond.status == "Unknown":
+        return True
+    if cond.type in ("Stalled", "QuotaLimited"):
+        return cond.status == "True"
+    if cond.type == "Reconciling":
+        return False
+    if cond.type == "ScalingActive":
+        return cond.status == "False" and cond.reason not in ("FixedReplicas", "NotSized", "WaitingForMetrics",
+                                                              "NoReadyPods")
+    if cond.type == "Ready" and cond.reason in PROGRESS_REASONS:
+        return False  # on its way, not in trouble
+    return cond.status == "False"  # Ready, Sized
+
+
+def transition_events(previous: list[dict] | None, new: list[Condition]) -> list[tuple[str, str, str]]:
+    """(type, reason, message) for each condition whose status or reason changed. Reconciling is left
+    out (Ready carries the same news); a first status is news for Sized, and for others when bad."""
+    old = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
+    events = []
+    for cond in new:
+        if cond.type == "Reconciling":
+            continue
+        prev = old.get(cond.type)
+        if prev is not None and prev.get("status") == cond.status:
+            before = Condition(cond.type, prev.get("status", ""), prev.get("reason", ""), "")
+            if prev.get("reason") == cond.reason or (not is_bad(before) and not is_bad(cond)):
+                continue  # same news, or progress on the way (RollingOut -> WaitingForReplicas)
+        if prev is None and cond.type != "Sized" and not is_bad(cond) and cond.type != "Ready":
+            continue
+        if prev is None and cond.type == "Ready" and cond.status != "True":
+            continue  # "Creating" on a new object is not news
+        kind = "Warning" if is_bad(cond) else "Normal"
+        events.append((kind, cond.reason, f"{cond.type}={cond.status}: {cond.message}"))
+    return events
