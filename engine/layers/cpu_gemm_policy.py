@@ -65,7 +65,7 @@ def cpu_linear_mode() -> str:
 # 0.75 bytes per weight (Q4 nibbles with fp32 scale and min per 32) instead of 2. Past 3 rows the
 # kernel is compute-bound and oneDNN's bf16 dot products win: SmolLM2's gate_proj, 1 thread, AVX-512
 # EPYC at load 3, codes vs prepacked: 1 row 87-96 vs 163-166 us, 3 rows 113-121 vs 153-175, 4 rows
-# 141-147 vs 144-158, 6 rows 271-279 vs 167-181 (docs/benchmarks.md, "bf16 from integer codes").
+# 141-147 vs 144-158, 6 rows 271-279 vs 167-181 (docs/benchmark-log.md, "bf16 from integer codes").
 BF16_CODES_MAX_ROWS = 3
 
 
@@ -81,7 +81,7 @@ BF16_DOT_MAX_ROWS = 32
 
 # ...and where the CPU has AMX-BF16, the codes' AMX tile kernel (cpu_linear_amx.cpp) takes batches from
 # AMX_MIN_ROWS rows; fewer rows stay on the dot kernel. The 30 layers' linears of the bundled model (a
-# throwaway loop, 2 threads, 2-vCPU Xeon with AMX, the same process alternating; docs/benchmarks.md),
+# throwaway loop, 2 threads, 2-vCPU Xeon with AMX, the same process alternating; docs/benchmark-log.md),
 # dot / AMX / oneDNN in ms: 1 row 7.4 / 9.5 / 17.0, 3 rows
 # 8.5 / 9.3 / 16.1, 4 rows 10.1 / 9.9 / 17.0, 16 rows 23.8 / 9.1 / 17.6, 64 rows 81 / 20.7 / 23.7,
 # 128 rows 163 / 34.7 / 27.6.
@@ -96,7 +96,7 @@ AMX_MIN_ROWS = 4
 # alternating, codes AMX / dequant AMX / oneDNN, ms: 16 rows 13.7 / 15.5 / 23.4, 24 rows 21.8 / 18.9 /
 # 25.6, 32 rows 21.4 / 17.3 / 26.3, 64 rows 32.4 / 25.5 / 31.0, 96 rows 40.7 / 29.3 / 32.8, 128 rows
 # 49.9 / 35.3 / 43.6; past that oneDNN and this one trade places (160 rows 36.1 vs 44.6, 256 rows
-# 48.2 vs 44.6): docs/benchmarks.md.
+# 48.2 vs 44.6): docs/benchmark-log.md.
 AMX_DEQUANT_MIN_ROWS = 24
 
 

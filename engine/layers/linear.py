@@ -142,7 +142,7 @@ class Linear(nn.Linear):
 
     Unpacked, oneDNN re-lays-out the whole weight on every bf16 call; for the small batches of a
     decode step that costs as much as the product itself. torch's fp32 GEMM on AVX2 ran 8 rows at a
-    quarter of one row's bandwidth (docs/benchmarks.md); the packed kernel reads each weight once per
+    quarter of one row's bandwidth (docs/benchmark-log.md); the packed kernel reads each weight once per
     step, from int8 codes where the weight has them.
     """
 

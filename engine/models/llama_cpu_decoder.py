@@ -2,7 +2,7 @@
 models on the CPU whose projections run from their integer codes.
 
 Why: at batch 1 Python's share of the bundled model's forward was 5.97 of 20.4 ms (every kernel replaced by
-a no-op; docs/benchmarks.md): ~300 op calls a step, each a module call, an allocation and the
+a no-op; docs/benchmark-log.md): ~300 op calls a step, each a module call, an allocation and the
 dispatcher's parsing. The C++ loop runs the same kernels in the same order, so tokens and logits are the
 Python path's bit for bit. The first layer stays in Python: it validates the attention arguments and
 decides whether the step fits the C++ attention kernel (attention.py's cpu_direct), which this path needs.

@@ -5,7 +5,7 @@ a pool of hundreds of MB. With 4 KB pages nearly every block costs TLB misses, a
 prefetches wait on page walks. Asking Linux for 2 MB pages (madvise MADV_HUGEPAGE, honoured where
 /sys/kernel/mm/transparent_hugepage/enabled is `madvise` or `always`) before the pool is first touched
 halved the attention's time: 64 sequences of 176 tokens, 30 layers' pools (250 MB of bf16 K/V), 2
-threads, AMX Xeon, 1287-1322 -> 682-685 us per layer (docs/benchmarks.md).
+threads, AMX Xeon, 1287-1322 -> 682-685 us per layer (docs/benchmark-log.md).
 
 TOKENMILL_HUGE_PAGES=0 leaves the pool on normal pages, for A/B runs.
 """

@@ -4,7 +4,7 @@
 // Why a C++ kernel: the torch reference gathers every sequence's blocks into a temporary, then SDPA
 // reads it again, and each layer of each step costs tens of small ops. On the 2-core machines this
 // project runs on, decode attention was the largest share of a step at batch 64 (see
-// docs/benchmarks.md). Built on first use by tokenmill.kernels.cpu (torch.utils.cpp_extension).
+// docs/benchmark-log.md). Built on first use by tokenmill.kernels.cpu (torch.utils.cpp_extension).
 //
 // Layout (the same as the Triton kernels and the torch reference): k_cache/v_cache
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [num_seqs, max_blocks];

@@ -4,7 +4,7 @@
 // Why: at small batches the kernels themselves take about half of a decode step and Python the rest. The
 // bundled model's 30 layers make ~300 op calls a step, each with a module call, an output allocation and
 // the dispatcher's argument parsing: 5.97 ms of a 20.4 ms batch-1 forward was left when every kernel was
-// replaced by a no-op (docs/benchmarks.md). Here the same kernels run in the same order on the same
+// replaced by a no-op (docs/benchmark-log.md). Here the same kernels run in the same order on the same
 // buffers' shapes, so the result is the Python path's bit for bit (tests/test_decoder_layers_cpu.py).
 //
 // The caller (engine/models/llama.py) decides when this applies: no tensor parallelism, no

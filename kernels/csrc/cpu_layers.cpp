@@ -1,6 +1,6 @@
 // Fused elementwise layers for CPUs: RMSNorm (with the residual add), neox rotary embedding in place,
 // SiLU-and-mul. Each replaces 3-8 torch ops per call; at batch 1 a decode step was mostly such small
-// ops (dispatch and allocation, not arithmetic), see docs/benchmarks.md.
+// ops (dispatch and allocation, not arithmetic), see docs/benchmark-log.md.
 //
 // Rounding follows transformers' Llama code op by op: the residual sum, the normalised value, the
 // products of rotary and silu(gate) are each rounded to the model dtype where transformers rounds

@@ -1,7 +1,7 @@
 // fp32 linear layers (y = x W^T + b) for AVX2 CPUs, on weights packed once at model load.
 //
 // Why: on an AVX2-only EPYC torch's fp32 F.linear ran a decode step's small batches far below the
-// memory bandwidth (docs/benchmarks.md: 8 rows of SmolLM2's MLP weight took 3.8x the time of one row,
+// memory bandwidth (docs/benchmark-log.md: 8 rows of SmolLM2's MLP weight took 3.8x the time of one row,
 // although both read the same 7 MB). Here every weight is read once per block of rows and used for
 // all of them from registers, so 1-16 rows cost what reading the weight costs, and larger batches run
 // a 6 x 16 register tile at the FMA units' rate.

@@ -3,7 +3,7 @@
 // Why: a bf16 model converted from a GGUF keeps its weights' codes (cpu_linear.cpp's panels: Q4 nibbles,
 // 0.5 bytes per weight plus fp32 scale and min per 32). The fp32 code tiles rebuild every weight as an
 // fp32 value and spend one FMA per weight per row, so past 3 rows they lost to oneDNN's prepacked bf16
-// weights, which in turn ran 8 rows at a third of the memory bandwidth (docs/benchmarks.md).
+// weights, which in turn ran 8 rows at a third of the memory bandwidth (docs/benchmark-log.md).
 //
 // Here the codes themselves are the bf16 operands. Per block of 32 k and output column,
 //   sum_k x_k (d c_k + m) = d * sum_k x_k c_k + m * sum_k x_k,
