@@ -9,14 +9,16 @@ integration tests.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
-from cluster import REPO, Cluster, ClusterError
+from cluster import REPO, Cluster, ClusterError, load_cluster
 
 
 def build(script: Path, what: str) -> Path:
@@ -73,3 +75,21 @@ def local_webhooks(manifest: str, prefix: str, port: int, ca_pem: bytes) -> list
 def apply_webhooks(cluster: Cluster, configurations: list[dict]) -> None:
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump({"apiVersion": "v1", "kind": "List",
                                                                "items": configurations}))
+
+
+def main(argv: list[str] | None, script: str, doc: str, name: str, build: Callable[[], Path],
+         start: Callable[[Cluster], int]) -> int:
+    """The command line of e2e/<controller>.py: `up` (start it on a running cluster) or `build`."""
+    parser = argparse.ArgumentParser(prog=script, description=doc.split("\n\n")[0])
+    parser.add_argument("action", choices=["up", "build"])
+    parser.add_argument("--workdir", type=Path, default=REPO / ".e2e")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "build":
+            print(build())
+        else:
+            print(f"{name} pid {start(load_cluster(args.workdir))}")
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

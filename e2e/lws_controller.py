@@ -16,7 +16,6 @@ patch caBundles for an in-cluster Service name.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -32,13 +31,11 @@ import local_controllers
 from cluster import (
     REPO,
     Cluster,
-    ClusterError,
     _is_ours,
     _start,
     _state_path,
     _wait_until,
     free_port,
-    load_cluster,
 )
 from pki import issue_serving_cert
 
@@ -110,19 +107,7 @@ def start(cluster: Cluster, timeout: float = 120.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="e2e/lws_controller.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["up", "build"])
-    parser.add_argument("--workdir", type=Path, default=REPO / ".e2e")
-    args = parser.parse_args(argv)
-    try:
-        if args.action == "build":
-            print(build())
-        else:
-            print(f"lws-controller pid {start(load_cluster(args.workdir))}")
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return local_controllers.main(argv, "e2e/lws_controller.py", __doc__, NAME, build, start)
 
 
 if __name__ == "__main__":
