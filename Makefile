@@ -55,8 +55,8 @@ clean: cluster-down
 # ---- e2e: a real local control plane (see docs/e2e.md) ----
 # The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
 # later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
-.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools prometheus chart-crds images image-tools dockerfile-check
-e2e-deps: cluster-tools gitops-tools lws-tools prometheus images dockerfile-check
+.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools kueue-tools prometheus chart-crds images image-tools dockerfile-check
+e2e-deps: cluster-tools gitops-tools lws-tools kueue-tools prometheus images dockerfile-check
 
 # Only the end-to-end suite (make test runs it too).
 e2e: $(STAMP) e2e-deps
@@ -72,6 +72,11 @@ gitops-tools:
 # The LeaderWorkerSet controller (sigs.k8s.io/lws), its CRD and webhook manifest (multi-node e2e test).
 lws-tools:
 	bash e2e/build_lws.sh >/dev/null
+
+# Kueue's controller manager (sigs.k8s.io/kueue), its CRDs and webhook manifest (`make cluster-up`, the
+# Kueue e2e tests).
+kueue-tools:
+	bash e2e/build_kueue.sh >/dev/null
 
 prometheus:
 	@command -v prometheus >/dev/null || { \
@@ -92,7 +97,8 @@ image-tools:
 dockerfile-check:
 	@bash images/check_dockerfiles.sh
 
-cluster-up: $(STAMP) cluster-tools
+# The control plane, then the LeaderWorkerSet controller and Kueue beside it.
+cluster-up: $(STAMP) cluster-tools lws-tools kueue-tools
 	$(VENV)/bin/python e2e/cluster.py up
 
 cluster-down:

@@ -1,7 +1,8 @@
 """A real local Kubernetes control plane for the e2e tests and `make cluster-up`.
 
 etcd -> kube-apiserver -> kube-controller-manager -> kube-scheduler -> kwok, all on 127.0.0.1 with
-free ports, then kwok Nodes that advertise `nvidia.com/gpu`. Binaries come from
+free ports, then kwok Nodes that advertise `nvidia.com/gpu`; `up` then starts the LeaderWorkerSet
+controller and Kueue beside it (e2e/kueue_controller.py; the pytest fixtures start those on demand). Binaries come from
 e2e/build_cluster_tools.sh (built from the Go module proxy, cached by version outside the repo).
 Every process is recorded by PID in `<workdir>/cluster.json` as soon as it starts, so `down` (and a
 failed `up`) stops exactly what was started and nothing else.
@@ -201,7 +202,9 @@ def stop_processes(workdir: Path, grace: float = 10.0) -> list[str]:
     state = json.loads(path.read_text())
     procs = state.get("processes", {})
     live = {n: p for n, p in procs.items() if _is_ours(p["pid"], p["exe"])}
-    order = [n for n in reversed(COMPONENTS) if n in live] + [n for n in live if n not in COMPONENTS]
+    # Controllers started beside the cluster (LWS, Kueue) first, newest first, while the API server they
+    # talk to is still up.
+    order = [n for n in reversed(live) if n not in COMPONENTS] + [n for n in reversed(COMPONENTS) if n in live]
     for name in order:
         with contextlib.suppress(ProcessLookupError):
             os.kill(live[name]["pid"], signal.SIGTERM)
@@ -448,6 +451,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.action == "up":
             args.workdir.mkdir(parents=True, exist_ok=True)
             cluster = start_cluster(args.workdir, ports={"kube-apiserver": args.apiserver_port})
+            try:
+                import kueue_controller  # imports this module: not at the top
+
+                kueue_controller.start(cluster)  # the LWS controller too, first
+            except BaseException:
+                stop_processes(cluster.workdir)
+                raise
             print(f"export KUBECONFIG={cluster.kubeconfig}")
             print(f"# kubectl: {cluster.tools.kubectl}  helm: {cluster.tools.helm}")
         else:

@@ -42,7 +42,8 @@ from e2e_helpers import (
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the tools (if not cached) before the first test, when the selected tests need them: a cold
     build takes many minutes and must not count against one test's timeout. Its log is shown live."""
-    if not any("tools" in getattr(item, "fixturenames", ()) for item in session.items):
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if "tools" not in used:
         return
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
@@ -50,6 +51,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             ensure_tools()
         except ClusterError as e:  # each e2e test errors with it; the other tests still run
             _build_error.append(e)
+        try:
+            if used & {"lws_controller", "kueue"}:
+                import lws_controller
+
+                lws_controller.build()
+            if "kueue" in used:
+                import kueue_controller
+
+                kueue_controller.build()
+        except ClusterError as e:  # the tests that need it error with it (their fixture builds again)
+            print(f"[e2e] {e}", file=sys.stderr)
 
 
 _build_error: list[ClusterError] = []
@@ -77,6 +89,16 @@ def cluster(tools: Tools) -> Iterator[Cluster]:
         yield c
     finally:
         stop_processes(workdir)
+
+
+@pytest.fixture(scope="session")
+def kueue(cluster: Cluster) -> int:
+    """Kueue's controller manager (e2e/kueue_controller.py), and the LWS controller before it, for the rest
+    of the session; returns Kueue's PID. From then on every Deployment, StatefulSet, LeaderWorkerSet, Job
+    and pod outside kube-system passes Kueue's webhooks, as in a cluster that runs Kueue."""
+    import kueue_controller
+
+    return kueue_controller.start(cluster)
 
 
 @pytest.fixture(scope="session")

@@ -16,32 +16,28 @@ patch caBundles for an in-cluster Service name.
 
 from __future__ import annotations
 
-import argparse
-import base64
 import json
 import os
 import socket
 import ssl
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import local_controllers
 from cluster import (
     REPO,
     Cluster,
-    ClusterError,
     _is_ours,
     _start,
     _state_path,
     _wait_until,
     free_port,
-    load_cluster,
 )
+from pki import issue_serving_cert
 
 BUILD_SCRIPT = REPO / "e2e" / "build_lws.sh"
 NAME = "lws-controller"
@@ -52,60 +48,23 @@ POD_SELECTOR = {"matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/name",
 
 def build() -> Path:
     """The cache folder (bin/lws-controller, crd/, webhook/), building it on first use."""
-    t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ClusterError(f"building the LWS controller failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}\n"
-                           f"Re-run `bash {BUILD_SCRIPT.relative_to(REPO)}` to retry.")
-    if time.monotonic() - t0 > 30:
-        print(f"[lws] controller built in {time.monotonic() - t0:.0f}s", file=sys.stderr)
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
-def _issue_serving_cert(pki: Path, out: Path) -> None:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-    from pki import _issue, _name
-
-    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
-    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
-    crt, key = _issue(ca_key, ca_cert, _name("lws-webhook"), server_names=["127.0.0.1"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tls.crt").write_bytes(crt)  # controller-runtime's file names in webhook.certDir
-    (out / "tls.key").write_bytes(key)
+    return local_controllers.build(BUILD_SCRIPT, "the LWS controller")
 
 
 def webhook_configurations(manifest: str, port: int, ca_pem: bytes) -> list[dict]:
-    """Upstream's two webhook configurations with each service reference replaced by the local URL."""
-    bundle = base64.b64encode(ca_pem).decode()
-    out = []
-    for doc in yaml.safe_load_all(manifest):
-        if not doc:
-            continue
-        doc["metadata"]["name"] = f"lws-{doc['metadata']['name']}"
-        for hook in doc["webhooks"]:
-            path = hook["clientConfig"]["service"]["path"]
-            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": bundle}
-            if any("pods" in r.get("resources", []) for r in hook.get("rules", [])):
-                hook["objectSelector"] = POD_SELECTOR
-        out.append(doc)
+    """Upstream's two webhook configurations pointed at the local URL; pod hooks only for LWS pods."""
+    out = local_controllers.local_webhooks(manifest, "lws", port, ca_pem)
+    for hook in (h for doc in out for h in doc["webhooks"]):
+        if any("pods" in r.get("resources", []) for r in hook.get("rules", [])):
+            hook["objectSelector"] = POD_SELECTOR
     return out
 
 
 def install_crd(cluster: Cluster) -> Path:
     """Install the LeaderWorkerSet CRD (idempotent) and wait until it is served; returns the cache folder."""
     cache = build()
-    crd = cache / "crd" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
-    # Server-side: the CRD (full pod templates) is larger than client-side apply's annotation limit.
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    deadline = time.monotonic() + 60
-    # `kubectl wait` fails outright while the new CRD has no status.conditions yet: poll instead.
-    while cluster.kubectl("get", "crd/leaderworkersets.leaderworkerset.x-k8s.io", "-o",
-                          "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-                          check=False).stdout != "True":
-        if time.monotonic() > deadline:
-            raise ClusterError("the LeaderWorkerSet CRD was not Established after 60s")
-        time.sleep(0.5)
+    crd = yaml.safe_load((cache / "crd" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml").read_text())
+    local_controllers.apply_crds(cluster, [crd])
     return cache
 
 
@@ -118,7 +77,7 @@ def start(cluster: Cluster, timeout: float = 120.0) -> int:
     cache = install_crd(cluster)
 
     home = cluster.workdir / "lws"
-    _issue_serving_cert(cluster.workdir / "pki", home / "certs")
+    issue_serving_cert(cluster.workdir / "pki", home / "certs", "lws-webhook")
     webhook_port, health_port = free_port(), free_port()
     config = {
         "apiVersion": "config.lws.x-k8s.io/v1alpha1",
@@ -143,24 +102,12 @@ def start(cluster: Cluster, timeout: float = 120.0) -> int:
     _wait_until(webhook_serves, "the LWS controller's webhook server", proc, log, timeout)
     hooks = webhook_configurations((cache / "webhook" / "manifests.yaml").read_text(), webhook_port,
                                    (cluster.workdir / "pki" / "ca.crt").read_bytes())
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": hooks}))
+    local_controllers.apply_webhooks(cluster, hooks)
     return proc.pid
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="e2e/lws_controller.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["up", "build"])
-    parser.add_argument("--workdir", type=Path, default=REPO / ".e2e")
-    args = parser.parse_args(argv)
-    try:
-        if args.action == "build":
-            print(build())
-        else:
-            print(f"lws-controller pid {start(load_cluster(args.workdir))}")
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return local_controllers.main(argv, "e2e/lws_controller.py", __doc__, NAME, build, start)
 
 
 if __name__ == "__main__":

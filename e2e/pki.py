@@ -27,14 +27,14 @@ def _pem_key(key) -> bytes:
 
 
 def _issue(ca_key, ca_cert, subject: x509.Name, *, server_names: list[str] | None = None,
-           client: bool = False) -> tuple[bytes, bytes]:
+           client: bool = False, days: int = 7) -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     usage = [x509.ExtendedKeyUsageOID.CLIENT_AUTH] if client else [x509.ExtendedKeyUsageOID.SERVER_AUTH]
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=7))
+               .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.ExtendedKeyUsage(usage), critical=False))
     if server_names:
         sans: list[x509.GeneralName] = []
@@ -48,20 +48,37 @@ def _issue(ca_key, ca_cert, subject: x509.Name, *, server_names: list[str] | Non
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
 
-def write_pki(pki: Path, service_ip: str) -> None:
-    """CA, apiserver serving cert, admin client cert (system:masters), service-account signing key."""
-    pki.mkdir(parents=True, exist_ok=True)
+def make_ca(cn: str, days: int = 7) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A self-signed CA (key, certificate)."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    ca_cert = (x509.CertificateBuilder().subject_name(_name("tokenmill-e2e-ca")).issuer_name(_name("tokenmill-e2e-ca"))
+    ca_cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn))
                .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=7))
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                             content_commitment=False, key_encipherment=False,
                                             data_encipherment=False, key_agreement=False,
                                             encipher_only=False, decipher_only=False), critical=True)
                .sign(ca_key, hashes.SHA256()))
+    return ca_key, ca_cert
+
+
+def issue_serving_cert(pki: Path, out: Path, cn: str) -> None:
+    """A serving cert for 127.0.0.1 issued by the cluster's CA, as tls.crt/tls.key in `out` (the file names
+    controller-runtime's webhook server reads from its certDir): the CA is then the webhooks' caBundle."""
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    crt, key = _issue(ca_key, ca_cert, _name(cn), server_names=["127.0.0.1"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tls.crt").write_bytes(crt)
+    (out / "tls.key").write_bytes(key)
+
+
+def write_pki(pki: Path, service_ip: str) -> None:
+    """CA, apiserver serving cert, admin client cert (system:masters), service-account signing key."""
+    pki.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = make_ca("tokenmill-e2e-ca")
     (pki / "ca.crt").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     (pki / "ca.key").write_bytes(_pem_key(ca_key))
     crt, key = _issue(ca_key, ca_cert, _name("kube-apiserver"), server_names=[

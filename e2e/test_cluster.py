@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from cluster import (
     BUILD_SCRIPT,
+    COMPONENTS,
     DEFAULT_NODES,
     Cluster,
     ClusterError,
@@ -128,7 +129,9 @@ def test_cluster_up_and_down_cli_stop_every_process(cluster: Cluster, tmp_path: 
     assert f"KUBECONFIG={tmp_path / 'kubeconfig'}" in capsys.readouterr().out
     state = json.loads((tmp_path / "cluster.json").read_text())
     pids = [p["pid"] for p in state["processes"].values()]
-    assert len(pids) == 5 and all(_alive(p) for p in pids)
+    # The control plane, then the LWS controller and Kueue beside it (so a ClusterQueue can be applied).
+    assert list(state["processes"]) == [*COMPONENTS, "lws-controller", "kueue"]
+    assert all(_alive(p) for p in pids)
     # A second `up` on the same workdir refuses instead of starting a second set of processes.
     assert main(["up", "--workdir", str(tmp_path)]) == 1
     assert "still running" in capsys.readouterr().err
