@@ -7,6 +7,7 @@ cluster started by `make cluster-up` instead (it is then left running).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -50,6 +51,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             ensure_tools()
         except ClusterError as e:  # each e2e test errors with it; the other tests still run
             _build_error.append(e)
+        if any("traffic" in getattr(item, "fixturenames", ()) for item in session.items):
+            from traffic import ensure_epp
+
+            with contextlib.suppress(ClusterError):  # test_traffic_tools.py's fixture retries and reports it
+                ensure_epp()
 
 
 _build_error: list[ClusterError] = []
