@@ -106,7 +106,9 @@ def traffic(cluster: Cluster, pod_runner, module_namespace: str, tmp_path_factor
         for name, ttl in (("short", f"{SHORT_TTL_S}s"), ("held", "120s")):
             epps[name] = start_epp(epp_dir, workdir, name, kubeconfig, POOL, namespace, picker_config(True, ttl))
         envoy = start_envoy(workdir, epps)
+        t0 = time.monotonic()
         wait_epps_healthy(envoy)
+        print(f"EPPs healthy in Envoy {time.monotonic() - t0:.1f}s after it started")
         yield Traffic(cluster, namespace, epps, envoy)
     finally:
         if envoy is not None:
@@ -207,8 +209,9 @@ def test_requests_reach_the_endpoint_the_picker_chose(traffic: Traffic):
 
 def test_the_epps_needed_nothing_beyond_their_role(traffic: Traffic):
     for epp in traffic.epps.values():
-        ready = samples(epp.metrics_text(), "inference_pool_ready_pods")
-        assert ready and ready[0][0]["name"] == POOL and ready[0][1] == 2, ready
+        # The pool gauges are flushed every 5 s (--refresh-prometheus-metrics-interval).
+        wait_for(lambda e=epp: samples(e.metrics_text(), "inference_pool_ready_pods") == [({"name": POOL}, 2.0)],
+                 f"the EPP {epp.name} counting both pods Ready", timeout=15)
         log = epp.log.read_text(errors="replace")
         assert "forbidden" not in log.lower(), [line for line in log.splitlines() if "forbidden" in line.lower()]
     assert get(traffic.cluster, "inferencepool", POOL, traffic.namespace) is not None

@@ -237,7 +237,10 @@ def _epp_cluster(epp: Epp) -> dict:
             "explicit_http_config": {"http2_protocol_options": {}}}},  # ext_proc is gRPC
         # The EPP's health port says SERVING once its pool has synced (any service name, without leader
         # election); Envoy probes it there, while ext_proc goes to the gRPC port.
-        "health_checks": [{"timeout": "1s", "interval": "1s", "unhealthy_threshold": 2, "healthy_threshold": 1,
+        # no_traffic_interval: Envoy probes a cluster that has carried no request every 60 s by default,
+        # so an EPP that was not yet synced at the first probe stayed unhealthy for a minute (seen here).
+        "health_checks": [{"timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
+                           "unhealthy_threshold": 2, "healthy_threshold": 1,
                            "grpc_health_check": {"service_name": EXT_PROC_SERVICE}}],
         "load_assignment": {"cluster_name": f"epp-{epp.name}", "endpoints": [{"lb_endpoints": [{"endpoint": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": epp.grpc_port}},
