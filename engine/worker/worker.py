@@ -95,7 +95,7 @@ class Worker:
             hidden_size=mc.hidden_size,
             par=par,
         )
-        logger.info("rank %d (tp %d, pp %d): %d KV blocks on %s", par.rank, par.tp_rank, par.pp_rank,
+        logger.info("rank %d (tp %d, pp %d) ready: %d KV blocks on %s", par.rank, par.tp_rank, par.pp_rank,
                     num_blocks, self.device)  # fmt: skip
 
     def execute_model(
