@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 # several worktrees and CI's clone.
 export UV_LINK_MODE ?= hardlink
 
-.PHONY: run test lint venv cluster-up cluster-down gpu-check bench clean soak
+.PHONY: run test test-lower-tiers lint venv cluster-up cluster-down gpu-check bench clean soak
 
 venv: $(STAMP)
 
@@ -37,9 +37,27 @@ $(STAMP): pyproject.toml | $(UV)
 run: $(STAMP)
 	$(VENV)/bin/tokenmill serve --override-generation-config '{"max_new_tokens": 256}'
 
-test: $(STAMP) e2e-deps
+# The whole suite at this machine's CPU tier, then the tier-sensitive tests (marker cpu_tier) again under
+# each lower tier the CPU can run (kernels/cpu_probe.py: kernels built for that tier, torch capped to it).
+# e2e's tools (Go builds, images: most of a cold run) build beside tests/, which needs none of them and
+# runs on one thread; e2e/ starts once they are there. Every part runs; the exit status is any failure.
+test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest
+	@mkdir -p .e2e; \
+	$(MAKE) --no-print-directory e2e-deps > .e2e/deps.log 2>&1 & deps=$$!; \
+	$(VENV)/bin/python -m pytest tests; unit=$$?; \
+	echo "== waiting for e2e's tools (log: .e2e/deps.log)"; \
+	if ! wait $$deps; then echo "make e2e-deps failed; its log ends:"; tail -40 .e2e/deps.log; exit 1; fi; \
+	$(VENV)/bin/python -m pytest e2e; e2e=$$?; \
+	$(MAKE) --no-print-directory test-lower-tiers; tiers=$$?; \
+	echo "== tests/ exit $$unit, e2e/ exit $$e2e, lower CPU tiers exit $$tiers"; \
+	test $$unit = 0 && test $$e2e = 0 && test $$tiers = 0
+
+test-lower-tiers: $(STAMP)
+	set -e; for tier in $$($(VENV)/bin/python -m tokenmill.kernels.cpu_probe --lower); do \
+	  echo "== tier-sensitive tests at CPU tier $$tier"; \
+	  env $$($(VENV)/bin/python -m tokenmill.kernels.cpu_probe --env $$tier) $(VENV)/bin/python -m pytest -m cpu_tier -q tests; \
+	done
 
 # The soak of tests/test_server_soak.py, longer than the suite's (SOAK_SECONDS=45); docs/reliability.md.
 SOAK_SECONDS ?= 600

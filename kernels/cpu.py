@@ -1,7 +1,7 @@
 """The C++ CPU kernels (kernels/csrc/): built on first use with torch.utils.cpp_extension, cached.
 
 The build goes to torch's extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR) under a
-name that hashes the sources, the compiler flags, torch's version and this machine's CPU flags, so a
+name that hashes the sources, the compiler flags, torch's version and the CPU flags and tier that kernels/cpu_probe.py reports, so a
 second process loads the .so directly in milliseconds (no ninja run) and a machine with other CPU
 features never loads a binary built with -march=native elsewhere. When the build fails (no C++
 compiler, no ninja) the failure is logged once and callers fall back to the torch reference; TOKENMILL_CPU_KERNELS=0 turns the kernels off on purpose.
@@ -35,20 +35,18 @@ _HEADERS = [_CSRC / "cpu_common.h", _CSRC / "cpu_codes_bf16.h", _CSRC / "cpu_ops
 # without it every kernel ran on one thread whatever torch.set_num_threads said. The link resolves
 # libgomp.so.1 to the copy torch has already loaded (same soname): one OpenMP runtime and one thread
 # count serve torch's ops and these kernels.
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+# -march comes from the probe: the machine's own CPU, or a capped tier's level (cpu_probe.py).
+_CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded op namespace, or "error": why it is unavailable
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+def _cflags() -> list[str]:
+    # imported here: `python -m tokenmill.kernels.cpu_probe` runs after this package loads this module
+    from tokenmill.kernels.cpu_probe import probe
+
+    return _CFLAGS + probe().march()
 
 
 def build_name() -> str:
@@ -57,7 +55,11 @@ def build_name() -> str:
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
-    digest.update(_cpu_flags().encode() + torch.__version__.encode() + " ".join(_CFLAGS + _LDFLAGS).encode())
+    from tokenmill.kernels.cpu_probe import probe
+
+    caps = probe()
+    cpu = " ".join(sorted(caps.flags)) + caps.tier
+    digest.update(cpu.encode() + torch.__version__.encode() + " ".join(_cflags() + _LDFLAGS).encode())
     return f"tokenmill_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -112,7 +114,7 @@ def load() -> object | None:
             load_extension(
                 name=name,
                 sources=[str(p) for p in _SOURCES],
-                extra_cflags=_CFLAGS,
+                extra_cflags=_cflags(),
                 extra_ldflags=_LDFLAGS,
                 is_python_module=False,
                 verbose=False,

@@ -14,6 +14,28 @@ import torch
 torch.set_num_threads(1)
 
 
+# The modules whose paths depend on the CPU tier: make test runs them again under each lower
+# TOKENMILL_CPU_TIER (kernels/cpu_probe.py). One list, so a new kernel test is added here once.
+CPU_TIER_MODULES = {
+    "test_attention_cpu_direct", "test_cpu_probe", "test_decoder_layers_cpu", "test_gemm_cpu", "test_kernels_cpu",
+    "test_layers_cpu", "test_linear_bf16_codes", "test_linear_bf16_dot", "test_linear_cpu", "test_model_loader",
+    "test_topk_cpu",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.stem in CPU_TIER_MODULES:
+            item.add_marker(pytest.mark.cpu_tier)
+
+
+def pytest_report_header(config) -> str:
+    """Which CPU paths this run takes: the tier (capped or not) every CPU decision and test asks."""
+    from tokenmill.kernels.cpu_probe import probe
+
+    return probe().describe()
+
+
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> pathlib.Path:
     """The bundled SmolLM2-135M-Instruct, converted once into the user's cache (reused across runs)."""

@@ -18,6 +18,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     can_prepack,
 )
 from tokenmill.engine.layers.linear import Linear
+from tokenmill.kernels.cpu_probe import needs
 
 CPU = torch.device("cpu")
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at"]
@@ -36,7 +37,7 @@ def _q4_1_weight(n: int, k: int, seed: int) -> torch.Tensor:
 
 def test_single_rows_run_from_the_codes_and_round_once_to_bf16() -> None:
     if not bf16_codes_wanted(CPU, torch.bfloat16):
-        pytest.skip("needs oneDNN's bf16 reorder and the fp32 linear kernel (an AVX-512 BF16 CPU)")
+        pytest.skip(needs("avx512"))
     w = _q4_1_weight(200, 576, seed=1)
     bias = torch.randn(200, generator=torch.Generator().manual_seed(5))
     lin = Linear(576, 200, bias=True)  # Qwen2's qkv_proj has one: the kernel adds it in fp32
@@ -127,7 +128,7 @@ def test_the_codes_kernel_takes_bf16_rows_and_rounds_the_fp32_sums_once() -> Non
     from tokenmill.engine.layers.linear import codes_weight
 
     if fp32_linear_ops(CPU, torch.float32) is None:
-        pytest.skip("needs an AVX2 + FMA CPU and the C++ kernels")
+        pytest.skip(needs("avx2"))
     packed = codes_weight(_q4_1_weight(50, 96, seed=3))  # a ragged last panel
     bias = torch.randn(50)
     x = torch.randn(2, 96).to(torch.bfloat16)

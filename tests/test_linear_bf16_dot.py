@@ -17,15 +17,16 @@ from quantized_weights import quantized_weight
 from tokenmill.engine.layers.cpu_gemm_policy import amx_codes_supported, bf16_dot_supported
 from tokenmill.engine.layers.linear import bf16_codes_weight, codes_weight, nibble_codes
 from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.kernels.cpu_probe import needs
 
 CPU = torch.device("cpu")
 KERNELS = [
     pytest.param("linear_codes_bf16", marks=pytest.mark.skipif(not bf16_dot_supported(),
-                                                               reason="needs AVX-512 BF16 and the C++ kernels")),
+                                                               reason=needs("avx512_bf16"))),
     pytest.param("linear_codes_amx", marks=pytest.mark.skipif(not amx_codes_supported(),
-                                                              reason="needs AMX-BF16 and the C++ kernels")),
+                                                              reason=needs("amx"))),
     pytest.param("linear_dequant_amx", marks=pytest.mark.skipif(not amx_codes_supported(),
-                                                                reason="needs AMX-BF16 and the C++ kernels")),
+                                                                reason=needs("amx"))),
 ]
 
 

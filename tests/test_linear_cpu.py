@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from tokenmill.engine.layers.cpu_gemm_policy import CPU_PACKED_MAX_ROWS, fp32_linear_ops
 from tokenmill.engine.layers.linear import Linear, pack_cpu_weight
 from tokenmill.engine.layers.weight_codes import find_weight_codes
+from tokenmill.kernels.cpu_probe import needs
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
-    fp32_linear_ops(CPU, torch.float32) is None, reason="needs an AVX2 + FMA CPU and the C++ kernels"
+    fp32_linear_ops(CPU, torch.float32) is None, reason=f"{needs('avx2')} (or the C++ kernels did not build)"
 )
 
 

@@ -9,6 +9,7 @@ from tokenmill.engine.model.bundled import bundled_gguf_path
 from tokenmill.engine.model.resolve import resolve_model
 from tokenmill.engine.worker import device
 from tokenmill.engine.worker.device import resolve_dtype
+from tokenmill.kernels import cpu_probe
 
 
 def test_explicit_dtypes_and_a_bad_one() -> None:
@@ -20,21 +21,20 @@ def test_explicit_dtypes_and_a_bad_one() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "expected"),
-    [({"avx2", "amx_bf16"}, torch.bfloat16), ({"avx512_bf16"}, torch.bfloat16), ({"avx2", "avx512f"}, torch.float32),
-     (set(), torch.float32)],
-)
-def test_auto_dtype_on_cpu_follows_the_bf16_flags(monkeypatch, flags, expected) -> None:
-    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+    ("flags", "cap", "expected"),
+    [({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "amx_tile",
+       "amx_bf16"}, None, torch.bfloat16),
+     ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}, None,
+      torch.bfloat16),
+     ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}, "avx512",
+      torch.float32),
+     ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}, None, torch.float32),
+     (set(), None, torch.float32)],
+)  # fmt: skip
+def test_auto_dtype_on_cpu_follows_the_probes_tier(monkeypatch, flags, cap, expected) -> None:
+    monkeypatch.setattr(device, "probe", lambda: cpu_probe.caps_for(frozenset(flags), cap))
     assert resolve_dtype("auto", "cpu") == expected
     assert resolve_dtype("auto", "cuda:0") == torch.bfloat16  # GPUs always get bf16
-
-
-def test_cpu_flags_reads_this_machine() -> None:
-    flags = device.cpu_flags()
-    with open("/proc/cpuinfo") as f:
-        line = next(line for line in f if line.startswith("flags"))
-    assert flags == set(line.split(":", 1)[1].split())
 
 
 def test_bundled_model_is_found_without_importing_its_package() -> None:

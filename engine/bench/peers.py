@@ -173,12 +173,12 @@ def server_command(engine: str, port: int, hf_dir: str, gguf: str, vllm_bin: str
     if engine == "vllm":
         return [f"{vllm_bin}/vllm", "serve", hf_dir, "--port", str(port), "--served-model-name", "smollm2",
                 "--dtype", "auto", "--max-num-seqs", "64"]
-    from tokenmill.engine.worker.device import cpu_flags
+    from tokenmill.kernels.cpu_probe import read_cpu_flags
 
     # On a CPU with AMX, ggml's AMX weight buffers crash this build at the first matmul (SIGSEGV in
     # ggml_backend_amx_mul_mat, 2-vCPU Xeon, 2026-12-02); --no-repack keeps weights in their GGUF
     # layout, which ran. Elsewhere llama.cpp keeps its default.
-    no_repack = ["--no-repack"] if "amx_int8" in cpu_flags() else []
+    no_repack = ["--no-repack"] if "amx_int8" in read_cpu_flags() else []
     return [llama_server, "-m", gguf, "--port", str(port), "-np", "64", "-c", "65536", "-kvu", "-cb", "-t", "2",
             "-tb", "2", "--jinja", "--alias", "smollm2", *no_repack]  # fmt: skip
 

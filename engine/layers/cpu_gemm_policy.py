@@ -8,6 +8,7 @@ import os
 
 import torch
 from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.kernels.cpu_probe import probe
 
 # Batch size oneDNN lays the prepacked weights out for. Measured on the AMX CPU (bf16, 1 thread, a
 # [3072, 576] weight): a 256 hint ran batches of 2 to 200 as fast as or faster than unpacked F.linear
@@ -115,9 +116,9 @@ AMX_LOGITS_MAX_ROWS = 32
 
 @functools.cache
 def bf16_dot_supported() -> bool:
-    """Whether the bf16 dot kernel on integer codes built (a CPU with AVX-512 BF16)."""
+    """Whether the bf16 dot kernel on integer codes built (a CPU, or capped tier, with AVX-512 BF16)."""
     ops = cpu_kernels.load()
-    return ops is not None and ops.linear_codes_bf16_supported()
+    return probe().at_least("avx512_bf16") and ops is not None and ops.linear_codes_bf16_supported()
 
 
 
@@ -128,7 +129,7 @@ def amx_codes_supported() -> bool:
     if os.environ.get("TOKENMILL_CODES_AMX", "1") == "0":
         return False
     ops = cpu_kernels.load()
-    return ops is not None and bf16_dot_supported() and ops.linear_codes_amx_supported()
+    return probe().at_least("amx") and ops is not None and bf16_dot_supported() and ops.linear_codes_amx_supported()
 
 
 

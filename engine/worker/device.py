@@ -2,20 +2,14 @@
 CPUs with fast bf16 matmuls (AMX or AVX512-BF16), fp32 elsewhere (the parity reference)."""
 
 import torch
+from tokenmill.kernels.cpu_probe import probe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def cpu_bf16_fast() -> bool:
+    """Whether this CPU (at the probe's tier) has fast bf16 matmuls: AVX512-BF16, or AMX above it."""
+    return probe().at_least("avx512_bf16")
 
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
@@ -25,7 +19,7 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if torch.device(device).type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if cpu_flags() & {"amx_bf16", "avx512_bf16"} else torch.float32
+        return torch.bfloat16 if cpu_bf16_fast() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {dtype!r}")
     return DTYPES[dtype]
