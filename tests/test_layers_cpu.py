@@ -32,6 +32,14 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(x.dtype)
 
 
+def float64_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """hf_rms_norm's two roundings (the normalised value to x's dtype, then the weight product) on float64
+    statistics: the exact answer a kernel and transformers each approximate."""
+    h = x.double()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.double() * normed.double()).to(x.dtype)
+
+
 def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -59,10 +67,14 @@ def test_rms_norm_and_residual_add_match_transformers(ops, dtype):
     expected = hf_rms_norm(expected_sum, norm.weight, 1e-5)
     out, new_residual = norm(x.clone(), residual)
     assert torch.equal(new_residual, expected_sum)  # the residual stream is rounded exactly as transformers
-    # fp32 statistics summed in another order: one rounding step in the normalised value, which the
-    # weight multiply (rounded again) can turn into two in the result.
-    assert ulps_apart(out, expected) <= 2
-    assert ulps_apart(norm(expected_sum), expected) <= 2
+    # fp32 statistics summed in another order than torch's, whose order depends on the ISA ATen runs at
+    # (seeds 0-19, 576 wide: kernel vs transformers up to 4 fp32 ulps at the avx2 tier, 3 at generic;
+    # each of them up to 3 from float64). So the bar is the float64 computation with the same two
+    # roundings: the kernel is at most one ulp further from it than transformers is on this CPU.
+    exact = float64_rms_norm(expected_sum, norm.weight, 1e-5)
+    bar = max(ulps_apart(expected, exact), 1) + 1
+    assert ulps_apart(out, exact) <= bar
+    assert ulps_apart(norm(expected_sum), exact) <= bar
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
