@@ -98,6 +98,19 @@ def checkpoint_tensors(folder: pathlib.Path) -> list[TensorInfo]:
     return [t for file in sorted(pathlib.Path(folder).glob("*.safetensors")) for t in read_header(file)]
 
 
+# Bytes per element the operator assumes for a checkpoint it has not read: float32, the widest a
+# checkpoint stores its weights in (a bf16 one needs half).
+CHECKPOINT_ELEMENT_BYTES = 4
+
+
+def largest_tensor_elements(
+    vocab_size: int, hidden_size: int, intermediate_size: int, num_attention_heads: int, head_dim: int
+) -> int:
+    """The largest tensor a Llama-family checkpoint stores, from its shape: the embedding (or LM head),
+    an MLP projection or the query projection, whichever is largest."""
+    return max(vocab_size * hidden_size, intermediate_size * hidden_size, num_attention_heads * head_dim * hidden_size)
+
+
 def load_peak_bound_bytes(final_weights_bytes: int, largest_tensor_bytes: int) -> int:
     """The most resident memory a load may add: its final weights, one tensor's read buffer, the margin."""
     return final_weights_bytes + largest_tensor_bytes + LOAD_MARGIN_BYTES

@@ -27,7 +27,7 @@ from typing import Any
 # hidden, intermediate, layers, heads, kv heads, vocab: "300m" is 297M parameters (1.19 GB in fp32).
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "300m": (1024, 2816, 18, 16, 16, 32000),
-    "tiny": (256, 704, 4, 4, 4, 8192),  # 4.8M: the test's model (tests/test_load_peak.py)
+    "small": (512, 1408, 8, 8, 8, 16000),  # 42M (168 MB in fp32): tests/test_load_streaming.py's
 }
 SAMPLE_S = 0.001
 
@@ -116,7 +116,12 @@ def child(model_dir: str, dtype_name: str) -> dict[str, Any]:
     from tokenmill.engine import load_memory
     from tokenmill.engine.model.loader import load_model
     from tokenmill.engine.model_config import load_model_config
-    from tokenmill.engine.worker.cpu_weights import plan_weights, prepare_weights, release_freed_memory
+    from tokenmill.engine.worker.cpu_weights import (
+        loading_hooks,
+        plan_weights,
+        prepare_weights,
+        release_freed_memory,
+    )
     from tokenmill.kernels import cpu as cpu_kernels
 
     path = pathlib.Path(model_dir)
@@ -141,8 +146,8 @@ def child(model_dir: str, dtype_name: str) -> dict[str, Any]:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    model = load_model(path, config, plan.load_dtype, device)
-    prepare_weights(model, device, dtype, plan)
+    model = load_model(path, config, plan.load_dtype, device, fp32_hooks=lambda m: loading_hooks(m, device, dtype, plan))
+    prepare_weights(model, device, dtype, plan, streamed=True)
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()

@@ -51,7 +51,7 @@ def _weight_targets(config: ModelConfig, par: "ParallelState") -> dict[str, tupl
     }
 
 
-FP32Hooks = dict[str, Callable[[torch.Tensor], None]]
+FP32Hooks = dict[str, Callable[[torch.Tensor], bool]]
 
 
 def load_weights(
@@ -67,8 +67,10 @@ def load_weights(
     Streamed (load_memory.py has the bound): parameters are filled one after another, each from the
     checkpoint tensors that make it up, read with plain file reads; a tensor stored in the parameter's
     dtype is read into it directly, another into one buffer of its own that is cast into the parameter
-    and dropped. A parameter named in fp32_hooks is first assembled whole in float32, handed to its hook
-    (which may keep what it derives, never the tensor itself), then cast into the parameter."""
+    and dropped. A parameter named in fp32_hooks is first assembled whole in float32 (in the parameter
+    itself when that is fp32 on the CPU) and handed to its hook, which may keep what it derives from it,
+    never the tensor; then it is cast into the parameter, or freed when the hook returns True (its codes
+    stand for it)."""
     from tokenmill.engine.distributed.parallel_state import SINGLE
 
     par = SINGLE if par is None else par
@@ -101,16 +103,19 @@ def load_weights(
         for name, param in params.items():  # the model's order: one parameter in flight at a time
             if name not in sources:
                 continue
-            stage = torch.empty(param.shape, dtype=torch.float32) if name in hooks else None
-            whole = param.data if stage is None else stage
+            hook = hooks.get(name)
+            in_place = hook is None or (param.dtype == torch.float32 and param.device.type == "cpu")
+            whole = param.data if in_place else torch.empty(param.shape, dtype=torch.float32)
             for info, first, rows in sources[name]:
                 f = files.get(info.file) or files.setdefault(info.file, open(info.file, "rb"))
                 dest = whole if rows is None else whole[first : first + rows]
                 unfilled[name] -= _fill(f, info, dest, config, par)
-            if stage is not None:
-                hooks[name](stage)
-                param.data.copy_(stage)
-                del stage, whole
+            if hook is not None:
+                if hook(whole):  # what the hook derived stands for the parameter: free it now
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                elif not in_place:
+                    param.data.copy_(whole)
+            del whole
     finally:
         for f in files.values():
             f.close()
