@@ -21,11 +21,12 @@ GIB = 1 << 30
 # keeps below its trim threshold), Python objects and page tables, and the transients of a codes search
 # (find_weight_codes' outputs for one weight, 1.25 bytes per weight: the integer codes and their scales).
 # Measured with `python -m tokenmill.engine.bench.load_peak` (docs/engine.md, "Loading"): the 297M-parameter
-# random Llama peaked at most 9 MB above final weights + largest tensor; 64 MiB keeps a wide margin for
-# allocator behaviour that differs by machine without hiding a second copy of any real model.
+# random Llama peaked at most 16 MB above final weights + largest tensor (its fp32 file served in bf16); 64
+# MiB keeps room for allocator behaviour that differs by machine without hiding a second copy of a real model.
 LOAD_MARGIN_BYTES = 64 * MIB
 # A rank process's own resident memory before any weight: the interpreter, torch and its libraries, the
-# CUDA runtime's host side and the engine's Python state (measured on an H200 node, docs/operator.md).
+# CUDA runtime's host side and the engine's Python state. An allowance: torch + a CUDA context + cuBLAS +
+# SDPA measured 879 MB peak RSS on an H200 node; the engine's own state there was not (docs/operator.md).
 ENGINE_PROCESS_BYTES = 3 * GIB
 # The API server process of a pod (tokenizer, HTTP stack), beside the rank processes.
 API_SERVER_BYTES = 1 * GIB
