@@ -75,6 +75,7 @@ def plan_status(p: SizingPlan, profile: ModelProfile | None) -> dict:
         "maxModelLen": p.max_model_len,
         "maxNumSeqs": p.max_num_seqs,
         "targetQueueDepth": p.target_queue_depth,
+        "hostMemoryBytes": p.host_memory_bytes,
     }
 
 

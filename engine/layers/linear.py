@@ -157,21 +157,32 @@ class Linear(nn.Linear):
         if self.packed_cpu is not None:
             self.weight = None
 
-    def attach_codes(self, cache: CodesCache | None = None) -> None:
+    def attach_codes(self, cache: CodesCache | None = None, weight: torch.Tensor | None = None) -> bool:
         """Keep the integer-code form of this fp32 weight, if it has one, for a model cast to bf16 next
-        (with the fp32 bias the kernel adds)."""
-        self.packed_cpu = bf16_codes_weight(self.weight, cache=cache)
-        self.bias_fp32 = None if self.bias is None else self.bias.detach().float().clone()
+        (with the fp32 bias the kernel adds). weight: the fp32 value while a bf16 model streams in
+        (model/loader.py; the bias then comes through keep_fp32_bias). False: the weight is still needed."""
+        self.packed_cpu = bf16_codes_weight(self.weight if weight is None else weight, cache=cache)
+        if weight is None:
+            self.bias_fp32 = None if self.bias is None else self.bias.detach().float().clone()
+        return False
+
+    def keep_fp32_bias(self, bias: torch.Tensor) -> bool:
+        """attach_codes' fp32 bias, from its value while a bf16 model streams in."""
+        self.bias_fp32 = bias.detach().clone()
+        return False
 
     def pack_cpu(
         self, blocks: bool | None = None, keep_fp32: bool = False, cache: CodesCache | None = None
-    ) -> None:
+    ) -> bool:
         """Pack for the fp32 CPU kernel. A weight found as integer blocks then runs every batch from its
         codes and its [out, in] fp32 copy is dropped (unless keep_fp32); an fp32-panel weight keeps it,
-        for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM."""
+        for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM. Whether the
+        fp32 weight was dropped."""
         self.packed_cpu = pack_cpu_weight(self.weight, blocks, cache=cache)
         if self.packed_cpu.codes is not None and not keep_fp32:
             self.weight = None
+            return True
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed_cpu = self.packed_cpu

@@ -6,11 +6,15 @@ once into the user's cache dir), a hub repo or other URI (model/source.py), or N
 SmolLM2-135M-Instruct GGUF.
 """
 
+import io
 import pathlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from tokenmill.engine.load_memory import TensorInfo, read_header
 from tokenmill.engine.model import sharding
+from tokenmill.engine.model.safetensors_stream import read_into, read_tensor, torch_dtype
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 
 if TYPE_CHECKING:
@@ -29,20 +33,10 @@ def _checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
 def checkpoint_is_float32(path: pathlib.Path) -> bool:
     """Whether every 2-D tensor of the folder's safetensors files is stored in float32 (a GGUF
     conversion is): read from the files' JSON headers, no tensor data."""
-    import json
-    import struct
-
     try:
-        for file in _checkpoint_files(path):
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            for name, entry in header.items():
-                if name != "__metadata__" and len(entry.get("shape", ())) == 2 and entry.get("dtype") != "F32":
-                    return False
-    except (OSError, ValueError, struct.error):
+        return all(t.dtype == "F32" for f in _checkpoint_files(path) for t in read_header(f) if len(t.shape) == 2)
+    except (OSError, ValueError):
         return False  # load_weights reports what is wrong with the files
-    return True
 
 
 def _weight_targets(config: ModelConfig, par: "ParallelState") -> dict[str, tuple[str, int, int]]:
@@ -57,53 +51,100 @@ def _weight_targets(config: ModelConfig, par: "ParallelState") -> dict[str, tupl
     }
 
 
+FP32Hooks = dict[str, Callable[[torch.Tensor], bool]]
+
+
 def load_weights(
-    model: torch.nn.Module, config: ModelConfig, path: pathlib.Path, par: "ParallelState | None" = None
+    model: torch.nn.Module,
+    config: ModelConfig,
+    path: pathlib.Path,
+    par: "ParallelState | None" = None,
+    fp32_hooks: FP32Hooks | None = None,
 ) -> None:
     """Copy every checkpoint tensor into its (possibly fused) parameter; any gap or mismatch is an error.
-    With a ParallelState, only this rank's slices (sharding.py)."""
-    from safetensors import SafetensorError, safe_open
+    With a ParallelState, only this rank's slices (sharding.py).
+
+    Streamed (load_memory.py has the bound): parameters are filled one after another, each from the
+    checkpoint tensors that make it up, read with plain file reads; a tensor stored in the parameter's
+    dtype is read into it directly, another into one buffer of its own that is cast into the parameter
+    and dropped. A parameter named in fp32_hooks is first assembled whole in float32 (in the parameter
+    itself when that is fp32 on the CPU) and handed to its hook, which may keep what it derives from it,
+    never the tensor; then it is cast into the parameter, or freed when the hook returns True (its codes
+    stand for it)."""
     from tokenmill.engine.distributed.parallel_state import SINGLE
 
     par = SINGLE if par is None else par
     params = dict(model.named_parameters())
     targets = _weight_targets(config, par)
+    hooks = fp32_hooks or {}
+    # Parameter name -> the checkpoint tensors that fill it: (tensor, first row, rows; None unfused).
+    sources: dict[str, list[tuple[TensorInfo, int, int | None]]] = {}
+    for info in (t for file in _checkpoint_files(path) for t in read_header(file)):
+        key = info.name
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # old checkpoints store the derived RoPE table
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding matrix is the output projection
+        local = sharding.local_name(key, config, par)
+        if local is None:
+            continue  # another pipeline stage's layer or part
+        parts = local.rsplit(".", 2)
+        name, first, rows = local, 0, None
+        if len(parts) == 3 and parts[1] in targets:
+            fused, first, rows = targets[parts[1]]
+            name = f"{parts[0]}.{fused}.{parts[2]}"
+        if name not in params:
+            raise ValueError(f"{info.file}: unexpected tensor {key!r} for {config.architecture}")
+        sources.setdefault(name, []).append((info, first, rows))
     # Rows of each parameter still unfilled, to report missing weights precisely.
     unfilled = {name: p.shape[0] if p.dim() else 1 for name, p in params.items()}
-    for file in _checkpoint_files(path):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key.endswith("rotary_emb.inv_freq"):
-                        continue  # old checkpoints store the derived RoPE table
-                    if key == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # tied: the embedding matrix is the output projection
-                    local = sharding.local_name(key, config, par)
-                    if local is None:
-                        continue  # another pipeline stage's layer or part
-                    parts = local.rsplit(".", 2)
-                    name = local
-                    if len(parts) == 3 and parts[1] in targets:
-                        fused, first, rows = targets[parts[1]]
-                        name = f"{parts[0]}.{fused}.{parts[2]}"
-                    param = params.get(name)
-                    if param is None:
-                        raise ValueError(f"{file}: unexpected tensor {key!r} for {config.architecture}")
-                    tensor = sharding.shard_tensor(key, f.get_tensor(key), config, par)
-                    dest = param.data if name == local else param.data[first : first + rows]
-                    if tensor.shape != dest.shape:
-                        raise ValueError(
-                            f"{file}: tensor {key!r} has shape {list(tensor.shape)}, "
-                            f"the model expects {list(dest.shape)}"
-                        )
-                    dest.copy_(tensor)
-                    unfilled[name] -= tensor.shape[0] if tensor.dim() else 1
-        except SafetensorError as e:
-            raise ValueError(f"weight file {file} is damaged or not a safetensors file: {e}") from None
+    files: dict[pathlib.Path, io.BufferedReader] = {}
+    try:
+        for name, param in params.items():  # the model's order: one parameter in flight at a time
+            if name not in sources:
+                continue
+            hook = hooks.get(name)
+            in_place = hook is None or (param.dtype == torch.float32 and param.device.type == "cpu")
+            whole = param.data if in_place else torch.empty(param.shape, dtype=torch.float32)
+            for info, first, rows in sources[name]:
+                f = files.get(info.file) or files.setdefault(info.file, open(info.file, "rb"))
+                dest = whole if rows is None else whole[first : first + rows]
+                unfilled[name] -= _fill(f, info, dest, config, par)
+            if hook is not None:
+                if hook(whole):  # what the hook derived stands for the parameter: free it now
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                elif not in_place:
+                    param.data.copy_(whole)
+            del whole
+    finally:
+        for f in files.values():
+            f.close()
     missing = sorted(name for name, rows in unfilled.items() if rows != 0)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"model folder {path} is missing weights for: {shown}")
+
+
+def _fill(
+    f: io.BufferedReader, info: TensorInfo, dest: torch.Tensor, config: ModelConfig, par: "ParallelState"
+) -> int:
+    """Read one checkpoint tensor into `dest` (its rows of a parameter or of an fp32 stage); the rows
+    filled."""
+    if par.tp_size == 1:
+        if tuple(info.shape) != tuple(dest.shape):
+            raise ValueError(
+                f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the model expects {list(dest.shape)}"
+            )
+        if dest.device.type == "cpu" and dest.dtype == torch_dtype(info) and dest.is_contiguous():
+            read_into(f, info, dest)  # stored as served: straight into the parameter, no copy
+            return dest.shape[0] if dest.dim() else 1
+    tensor = sharding.shard_tensor(info.name, read_tensor(f, info), config, par)
+    if tensor.shape != dest.shape:
+        raise ValueError(
+            f"{info.file}: tensor {info.name!r} has shape {list(tensor.shape)}, the model expects {list(dest.shape)}"
+        )
+    dest.copy_(tensor)
+    return tensor.shape[0] if tensor.dim() else 1
 
 
 def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -136,9 +177,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     par: "ParallelState | None" = None,
+    fp32_hooks: "Callable[[torch.nn.Module], FP32Hooks] | None" = None,
 ) -> torch.nn.Module:
     """Our LlamaForCausalLM with the folder's weights, in `dtype` on `device`, gradients off, eval mode.
-    With a ParallelState: this rank's shard only."""
+    With a ParallelState: this rank's shard only. fp32_hooks(model), called once the model's storage
+    exists: the parameters to hand to a hook in float32 before they are cast (load_weights)."""
     from tokenmill.engine.distributed.parallel_state import SINGLE
     from tokenmill.engine.models.llama import LlamaForCausalLM
 
@@ -148,6 +191,6 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, SINGLE if par is None else par)
     materialize(model, dtype, torch.device(device))
-    load_weights(model, config, path, par)
+    load_weights(model, config, path, par, None if fp32_hooks is None else fp32_hooks(model))
     model.requires_grad_(False)
     return model.eval()

@@ -11,6 +11,9 @@ hold a slice of the vocabulary. Pipeline parallel: a stage builds only its layer
 the hidden state and residual at the stage boundary.
 """
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from tokenmill.engine.distributed.parallel_state import (
@@ -268,6 +271,57 @@ class LlamaForCausalLM(nn.Module):
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head_packed_cpu = bf16_codes_weight(weight, nibbles=self.lm_head is not None, cache=cache)
+
+    def codes_hooks(self, cache: CodesCache | None = None) -> dict[str, Callable[[torch.Tensor], bool]]:
+        """attach_weight_codes one parameter at a time, while a bf16 model streams in from an fp32
+        checkpoint (model/loader.py's fp32_hooks): each hook gets its parameter's fp32 value before the
+        cast and keeps the codes found in it (a Linear's bias: the fp32 bias the kernel adds)."""
+        hooks: dict[str, Callable[[torch.Tensor], bool]] = {}
+        for name, module in self.model.named_modules(prefix="model"):
+            if isinstance(module, Linear):
+                hooks[f"{name}.weight"] = functools.partial(module.attach_codes, cache)
+                if module.bias is not None:
+                    hooks[f"{name}.bias"] = module.keep_fp32_bias
+        if self.par.is_last_stage:
+            nibbles = self.lm_head is not None
+
+            def head(weight: torch.Tensor) -> bool:
+                self.lm_head_packed_cpu = bf16_codes_weight(weight, nibbles=nibbles, cache=cache)
+                return False
+
+            hooks["model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"] = head
+        return hooks
+
+    def pack_hooks(self, blocks: bool | None = None, cache: CodesCache | None = None) -> dict[str, Callable[[torch.Tensor], bool]]:
+        """pack_linears_cpu one parameter at a time, while an fp32 model streams in: each hook gets its
+        just-loaded parameter (the parameter's own storage) and packs it; True when its codes stand for
+        it and the loader may free the fp32 copy (model/loader.py)."""
+        keep_fp32 = self.par.tp_size > 1
+        hooks: dict[str, Callable[[torch.Tensor], bool]] = {}
+        for name, module in self.model.named_modules(prefix="model"):
+            if isinstance(module, Linear):
+                hooks[f"{name}.weight"] = lambda _w, m=module: m.pack_cpu(blocks, keep_fp32, cache)
+        if self.par.is_last_stage:
+            if self.lm_head is None:
+
+                def tied(_weight: torch.Tensor) -> bool:
+                    embed = self.model.embed_tokens
+                    self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False, cache=cache)
+                    if self.lm_head_packed_cpu.codes is not None and not keep_fp32:
+                        embed.packed_cpu, embed.weight = self.lm_head_packed_cpu, None
+                        return True
+                    return False
+
+                hooks["model.embed_tokens.weight"] = tied
+            else:
+
+                def head(_weight: torch.Tensor) -> bool:
+                    dropped = self.lm_head.pack_cpu(blocks, keep_fp32, cache)
+                    self.lm_head_packed_cpu = self.lm_head.packed_cpu
+                    return dropped
+
+                hooks["lm_head.weight"] = head
+        return hooks
 
     def pack_linears_cpu(self, blocks: bool | None = None, cache: CodesCache | None = None) -> None:
         """Give every projection and the LM head the fp32 CPU kernel's packed weights. Weights found as

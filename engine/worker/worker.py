@@ -22,7 +22,7 @@ from tokenmill.engine.model.loader import load_model
 from tokenmill.engine.model.weight_codes_cache import open_cache, save_cache
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
-from tokenmill.engine.worker.cpu_weights import WeightPlan, plan_weights, prepare_weights
+from tokenmill.engine.worker.cpu_weights import WeightPlan, loading_hooks, plan_weights, prepare_weights
 from tokenmill.engine.worker.device import DTYPES
 from tokenmill.engine.worker.engine_plan import CUDA_KV_CACHE_FRACTION, EnginePlan
 from tokenmill.engine.worker.model_runner import ModelRunner
@@ -56,10 +56,18 @@ class Worker:
             mark("kernels")
         plan, wp = self.plan, self.weight_plan
         torch.manual_seed(plan.config.seed)
-        model = load_model(plan.model_path, plan.model_config, wp.load_dtype, self.device, self.par)
+        caches = []  # the codes cache, opened once the model's parameters exist
+
+        def hooks(model: torch.nn.Module) -> dict | None:
+            # Codes search and fp32 packing run as the weights stream in: no second copy (cpu_weights.py).
+            if wp.cache_codes:
+                caches.append(open_cache(model, plan.model_path, cpu_kernels.build_name()))
+            return loading_hooks(model, self.device, self.dtype, wp, caches[0] if caches else None)
+
+        model = load_model(plan.model_path, plan.model_config, wp.load_dtype, self.device, self.par, hooks)
         mark("weights")
-        cache = open_cache(model, plan.model_path, cpu_kernels.build_name()) if wp.cache_codes else None
-        prepare_weights(model, self.device, self.dtype, wp, cache)
+        cache = caches[0] if caches else None
+        prepare_weights(model, self.device, self.dtype, wp, cache, streamed=True)
         mark("packing")
         if cache is not None:
             save_cache(cache)

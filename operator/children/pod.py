@@ -6,6 +6,7 @@ import math
 from tokenmill.operator.children import model_source
 from tokenmill.operator.children.meta import PORT, labels
 from tokenmill.operator.plan.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
+from tokenmill.operator.plan.quota import parse_quantity
 from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_pod
 from tokenmill.operator.plan.spec import ServiceSpec
 
@@ -89,10 +90,19 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict:
     }
 
 
+def pod_memory(spec: ServiceSpec, plan: SizingPlan) -> str:
+    """The pod's memory request and limit: spec.resources.memory, or the plan's host memory at the load's
+    peak where that is more (sizing.host_memory_bytes), so that no pod is OOM-killed while it loads."""
+    if parse_quantity(spec.memory) >= plan.host_memory_bytes:
+        return spec.memory
+    return str(plan.host_memory_bytes)
+
+
 def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: str | None = None) -> dict:
     """The engine pod template (metadata and spec) of a Deployment, or of a LeaderWorkerSet's leader."""
     t = spec.template
     gpus = str(gpus_per_pod(plan))
+    memory = pod_memory(spec, plan)
     startup = startup_timeout_seconds(spec, plan)
     env = [
         {"name": "HOME", "value": CACHE_DIR},
@@ -128,9 +138,9 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: s
         "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "resources": {
-            "requests": {"cpu": spec.cpu, "memory": spec.memory, GPU_RESOURCE: gpus},
+            "requests": {"cpu": spec.cpu, "memory": memory, GPU_RESOURCE: gpus},
             # No CPU limit: throttling stalls tokenization and streaming; memory and GPUs are hard limits.
-            "limits": {"memory": spec.memory, GPU_RESOURCE: gpus},
+            "limits": {"memory": memory, GPU_RESOURCE: gpus},
         },
         # Startup: up to the startup budget (download + load) before the other two probes begin.
         "startupProbe": _probe(READINESS_PATH, STARTUP_PROBE_PERIOD, math.ceil(startup / STARTUP_PROBE_PERIOD), 5),

@@ -92,6 +92,9 @@ def render(p: SizingPlan, profile: ModelProfile) -> str:
         ("max_model_len", f"{p.max_model_len} (model supports {p.max_position_embeddings})"),
         ("max_num_seqs", str(p.max_num_seqs)),
         ("target queue", f"{p.target_queue_depth} waiting+running requests per replica"),
+        ("host memory", f"{gb(p.host_memory_bytes)} per pod at the weights' load peak (API server + "
+                        f"{p.tensor_parallel_size} x (process + largest tensor in fp32 + margin)); the pod "
+                        "requests at least this"),
         ("feasible", f"{'yes' if p.feasible else 'no'} ({p.reason})"),
     ]
     width = max(len(k) for k, _ in rows)

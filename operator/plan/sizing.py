@@ -10,6 +10,7 @@ slower network only between stages).
 from dataclasses import asdict, dataclass, replace
 
 from tokenmill.engine import kv_memory as kvm
+from tokenmill.engine import load_memory as lm
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.parallel_check import tp_fits_model
 from tokenmill.operator.plan.catalog import GPU_TYPES, GPUType, ModelProfile
@@ -65,6 +66,7 @@ class SizingPlan:
     max_num_seqs: int
     max_position_embeddings: int
     target_queue_depth: int  # waiting + running requests one replica serves without queueing
+    host_memory_bytes: int  # per pod: what its processes hold at the load's peak (load_memory.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -239,6 +241,7 @@ def _plan_at(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_position_embeddings=profile.max_position_embeddings,
         target_queue_depth=max(1, min(max_num_seqs, concurrency)),
+        host_memory_bytes=host_memory_bytes(profile, tp),
     )
     usable = budget + weights_gpu + overhead
     where = f"{tp} x {gpu.name}" if pp == 1 else f"{pp} nodes x {tp} x {gpu.name} (TP {tp} x PP {pp})"
@@ -275,6 +278,17 @@ def _plan_at(
             f"maxNumSeqs {max_num_seqs}"
         ),
     )
+
+
+def host_memory_bytes(profile: ModelProfile, ranks_per_pod: int) -> int:
+    """A pod's host memory at its load's peak: the API server and, per rank (one per GPU of the pod), the
+    process and one checkpoint tensor read on the host before its copy to the GPU (the engine streams
+    weights one tensor at a time: engine/load_memory.py), the largest one, stored in fp32 at worst."""
+    p = profile
+    largest = lm.largest_tensor_elements(
+        p.vocab_size, p.hidden_size, p.intermediate_size, p.num_attention_heads, p.head_dim
+    ) * lm.CHECKPOINT_ELEMENT_BYTES
+    return lm.gpu_pod_host_bytes(ranks_per_pod, largest)
 
 
 def gb(num_bytes: float) -> str:
