@@ -308,8 +308,9 @@ def test_render_matches_tokenize_and_generates_nothing(server, tokenizer):
     body = chat.json()
     tok = _post(server, "/tokenize", {"messages": FRANCE}).json()
     assert body["token_ids"] == tok["tokens"] and len(body["token_ids"]) == chat_prompt_len(tokenizer, FRANCE)
-    # The parameters the chat request would run with: the request's top_p, the server's temperature.
-    assert body["sampling_params"]["top_p"] == 0.5 and body["sampling_params"]["temperature"] == 0.2
+    # The parameters the chat request would run with: the request's top_p, the server's temperature
+    # (greedy for the bundled model without --generation-config, docs/serving.md).
+    assert body["sampling_params"]["top_p"] == 0.5 and body["sampling_params"]["temperature"] == 0.0
     assert body["sampling_params"]["max_tokens"] == MAX_MODEL_LEN - len(body["token_ids"])
     prompts = ["Hello world", "Once upon a time"]
     comp = _post(server, "/v1/completions/render", {"model": MODEL, "prompt": prompts, "max_tokens": 5})
