@@ -27,7 +27,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         device: str = "auto",
         seed: int = 0,
-        generation_config: str = "auto",
+        generation_config: str | None = None,
         override_generation_config: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,

@@ -190,10 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--generation-config",
-        default="auto",
+        default=None,
         help="default sampling for requests that leave it out: auto (the model's generation_config.json; "
         "for the bundled model its card's temperature 0.2, top_p 0.9), vllm (the engine's: temperature 1), "
-        "or a folder holding a generation_config.json",
+        "or a folder holding a generation_config.json. Unset: auto, except that the bundled model decodes "
+        "greedily (temperature 0), which answers README's question right every time (docs/serving.md)",
     )
     p.add_argument(
         "--tool-call-parser",

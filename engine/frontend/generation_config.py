@@ -6,10 +6,12 @@ temperature 1, no top-p/top-k); any other value is a folder holding a generation
 used (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens -> max_tokens); `do_sample`
 is ignored, as vLLM ignores it. A request's own values always win over these defaults.
 
-The bundled SmolLM2-135M-Instruct GGUF carries no sampling settings (GGUF metadata has none, so the
-converted folder's generation_config.json holds only token ids). Its model card's example generates
-with temperature=0.2, top_p=0.9; at the engine's temperature 1.0 the 135M model rambles to the length
-limit most of the time, so `auto` uses the model card's values for it.
+Left unset, the mode is `auto` for every model but the bundled one. The bundled SmolLM2-135M-Instruct GGUF
+carries no sampling settings (GGUF metadata has none, so the converted folder's generation_config.json
+holds only token ids). Its model card's example samples at temperature 0.2 / top_p 0.9, at which the
+135M model answers README's question in French, rambling, in about half of the tries; greedy answers it
+right every time (measured in docs/serving.md, "Default sampling"). So unset, the bundled model decodes
+greedily, and `--generation-config auto` gives it the card's values.
 """
 
 import json
@@ -29,7 +31,14 @@ GENERATION_KEYS = {
     "max_new_tokens": "max_tokens",
 }
 # SmolLM2-135M-Instruct's model card: model.generate(..., temperature=0.2, top_p=0.9, do_sample=True).
-BUNDLED_MODEL_DEFAULTS: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
+# What `--generation-config auto` gives the bundled model, whose own file has no sampling values.
+BUNDLED_MODEL_CARD: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
+# What the bundled model gets when --generation-config is not given: greedy (the measurement above).
+BUNDLED_MODEL_DEFAULTS: dict[str, Any] = {"temperature": 0.0}
+BUNDLED_DEFAULTS_SOURCE = (
+    "tokenmill's default for the bundled model (greedy; --generation-config auto for its card's "
+    "temperature 0.2, top_p 0.9)"
+)
 MODES = ("auto", "vllm")
 
 
@@ -66,16 +75,21 @@ def parse_override(text: str | None) -> dict[str, Any]:
 
 
 def default_sampling_params(
-    mode: str, model_dir: str | pathlib.Path, bundled: bool, override: dict[str, Any] | None = None
+    mode: str | None, model_dir: str | pathlib.Path, bundled: bool, override: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], str]:
-    """(SamplingParams field -> default value, where they came from) for requests that leave them out."""
-    if mode == "vllm":
+    """(SamplingParams field -> default value, where they came from) for requests that leave them out.
+    mode None: --generation-config not given (greedy for the bundled model, else `auto`)."""
+    if mode is None and bundled:
+        config, source = dict(BUNDLED_MODEL_DEFAULTS), BUNDLED_DEFAULTS_SOURCE
+    elif mode is None:
+        return default_sampling_params("auto", model_dir, bundled, override)
+    elif mode == "vllm":
         config, source = {}, "the engine's defaults (--generation-config vllm)"
     elif mode == "auto":
         config = read_generation_config(model_dir)
         source = f"{pathlib.Path(model_dir) / 'generation_config.json'}"
         if bundled and not any(k in config for k in GENERATION_KEYS):
-            config, source = dict(BUNDLED_MODEL_DEFAULTS), "the bundled model's card (SmolLM2-135M-Instruct)"
+            config, source = dict(BUNDLED_MODEL_CARD), "the bundled model's card (SmolLM2-135M-Instruct)"
     else:
         folder = pathlib.Path(mode).expanduser()
         if not (folder / "generation_config.json").is_file():
