@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # bump when what is stored changes (2: content digests in the file's metadata)
 KEEP_PER_MODEL = 4  # files kept per model folder: checkouts with other kernels may want theirs
-DIGEST_CHUNK = 8 << 20  # bytes hashed per task: a large weight is hashed on several threads
+DIGEST_CHUNK = 1 << 20  # bytes hashed per task, so that each layer's weight is hashed on several threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ def content_digest(*tensors: torch.Tensor) -> str:
 
 def cache_path(model_path: pathlib.Path, kernels_build: str) -> pathlib.Path:
     files = sorted(model_path.resolve().glob("*.safetensors"))
-    ident = [f"{FORMAT_VERSION}", kernels_build] + [f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    ident = [f"{FORMAT_VERSION}:{DIGEST_CHUNK}", kernels_build] + [f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
     model_key = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
     key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:16]
     return tokenmill_cache() / "blocks" / f"{model_key}-{key}.safetensors"
