@@ -48,21 +48,6 @@ def test_gguf_cache_is_keyed_by_content_not_by_path(tmp_path, monkeypatch) -> No
     assert gguf_cache.gguf_cache_dir(c) == gguf_cache.gguf_cache_dir(a)
 
 
-def test_a_conversion_cached_under_the_old_path_key_is_moved_not_redone(tmp_path, monkeypatch) -> None:
-    from tokenmill.engine.model import gguf_cache, resolve
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"not a real GGUF: converting it would fail")
-    legacy = gguf_cache._legacy_gguf_cache_dir(gguf)
-    legacy.mkdir(parents=True)
-    (legacy / "config.json").write_text("{}")
-    folder = gguf_cache.convert_gguf_cached(gguf)
-    assert folder == gguf_cache.gguf_cache_dir(gguf) and (folder / "config.json").read_text() == "{}"
-    assert not legacy.exists()
-    assert resolve.resolve_model_if_ready(gguf) == folder
-
-
 def test_resolve_model_if_ready_answers_only_when_no_work_is_needed(tmp_path, monkeypatch) -> None:
     from tokenmill.engine.model.resolve import resolve_model_if_ready
 

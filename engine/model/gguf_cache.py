@@ -1,5 +1,5 @@
-"""GGUF files converted once into Hugging Face folders under the cache, keyed by the file's content and
-the converter's version; a crash never leaves a half folder (temp dir + rename)."""
+"""GGUF files converted once into Hugging Face folders under the cache, keyed by the file's content (its
+sha256) and the converter's version; a crash never leaves a half folder (temp dir + rename)."""
 
 import hashlib
 import os
@@ -13,6 +13,9 @@ from tokenmill.engine.model.cache_dirs import cache_root, tokenmill_cache
 # Bump when the converter's output changes, so stale caches are not reused.
 CONVERTER_VERSION = 2
 _STALE_TMP_SECONDS = 3600  # a conversion takes seconds to minutes; older temp dirs are from a crash
+# A remembered digest is trusted only for a file whose inode changed (st_ctime) this long before the digest
+# was taken: file times tick coarsely (a few ms) and may come from another clock (a network filesystem).
+_RACY_NS = 2_000_000_000
 
 
 def gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
@@ -23,26 +26,27 @@ def gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
     return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _legacy_gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
-    """The folder earlier versions keyed by path, size and mtime; moved to gguf_cache_dir when found."""
-    st = gguf_path.stat()
-    key = f"{CONVERTER_VERSION}:{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
 def file_digest(path: pathlib.Path) -> str:
     """sha256 of the file's bytes, remembered under ~/.cache/tokenmill/digests (beside the models folder,
-    which holds converted models only) by path, size and mtime: hashing the bundled 98 MB GGUF takes a
-    few tenths of a second, once per installed copy."""
+    which holds converted models only): hashing the bundled 98 MB GGUF takes 0.07 s here, a 4 GB one
+    about 3 s, once per installed copy.
+
+    The memo is found by path, device, inode, size, mtime and ctime, and used only when the file's ctime is
+    older than the memo's digest by _RACY_NS. mtime alone can be set back (`touch -r`, `cp -p`, `rsync -t`,
+    a tool restoring times) and a rewrite can keep the size; ctime cannot be set by any call: every write,
+    rename over, chmod or utime moves it to now. A file changed within _RACY_NS of being hashed (or while
+    it was hashed) is hashed again until its memo is older than its ctime by that margin, as git treats a
+    "racily clean" index entry."""
     st = path.stat()
-    where = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    where = f"{path.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
     memo = tokenmill_cache() / "digests" / hashlib.sha256(where.encode()).hexdigest()[:32]
     try:
-        known = memo.read_text().strip()
-        if len(known) == 64:
+        known, taken_ns = memo.read_text().split()
+        if len(known) == 64 and st.st_ctime_ns < int(taken_ns) - _RACY_NS:
             return known
-    except OSError:
+    except (OSError, ValueError):  # none, or one an earlier version wrote (a digest alone): hash again
         pass
+    taken_ns = time.time_ns()  # before reading: a change while hashing leaves a ctime this memo never trusts
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -51,7 +55,7 @@ def file_digest(path: pathlib.Path) -> str:
     try:  # a memo only: a read-only cache just means hashing again next time
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
-        tmp.write_text(digest + "\n")
+        tmp.write_text(f"{digest} {taken_ns}\n")
         os.replace(tmp, memo)
     except OSError:
         pass
@@ -76,14 +80,6 @@ def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
     final = gguf_cache_dir(gguf_path)
     if (final / "config.json").is_file():
         return final
-    legacy = _legacy_gguf_cache_dir(gguf_path)
-    if (legacy / "config.json").is_file():
-        try:
-            os.rename(legacy, final)
-            return final
-        except OSError:
-            if (final / "config.json").is_file():  # another process moved it first
-                return final
     from tokenmill.engine.model.gguf_convert import convert_gguf  # imports torch: only on a cache miss
 
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,11 @@ huggingface_hub. Nothing else is fetched. `HF_ENDPOINT` (the operator's --hf-end
 another Hub, which is how the tests reach the Hub stand-in.
 """
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import tempfile
 import threading
 import time
@@ -105,16 +108,28 @@ def fetch(repo_id: str, revision: str | None, token: str | None, endpoint: str |
 
 
 class HubCache:
-    """fetch() results by (endpoint, repo, revision, token given, config wanted), errors included."""
+    """fetch() results by (endpoint, repo, revision, which token, config wanted), errors included.
+
+    "Which token" is an HMAC of the token under a key drawn when the cache is made, never the token: two
+    services whose Secrets hold different tokens get an answer each (one token granted a gated repo says
+    nothing about another), the same token shares one, and no token is one more key. The key lives only in
+    this process, so a dump of the cache (or of the process's dicts) cannot be matched against a guess."""
 
     def __init__(self, fetcher=fetch, clock=time.monotonic, cache_dir: str | None = None):
         self.fetcher, self.clock, self.cache_dir = fetcher, clock, cache_dir
         self._entries: dict[tuple, tuple[float, HubModel | HubError]] = {}
         self._guard = threading.Lock()
+        self._token_key = secrets.token_bytes(32)
+
+    def token_id(self, token: str | None) -> str | None:
+        """The cache's name for a token: None for none, else a keyed hash of it (hex)."""
+        if not token:
+            return None
+        return hmac.new(self._token_key, token.encode(), hashlib.sha256).hexdigest()
 
     def lookup(self, repo_id: str, revision: str | None, token: str | None, endpoint: str | None,
                with_config: bool) -> HubModel:
-        key = (endpoint, repo_id, revision, bool(token), with_config)
+        key = (endpoint, repo_id, revision, self.token_id(token), with_config)
         with self._guard:
             hit = self._entries.get(key)
         if hit is not None and hit[0] > self.clock():
@@ -125,9 +140,15 @@ class HubCache:
             result = self.fetcher(repo_id, revision, token, endpoint, with_config, cache_dir=self.cache_dir)
         except HubError as e:
             log.warning("hub lookup of %s@%s: %s: %s", repo_id, revision or "main", e.reason, e)
-            with self._guard:
-                self._entries[key] = (self.clock() + ERROR_CACHE_SECONDS, e)
+            self._store(key, ERROR_CACHE_SECONDS, e)
             raise
-        with self._guard:
-            self._entries[key] = (self.clock() + CACHE_SECONDS, result)
+        self._store(key, CACHE_SECONDS, result)
         return result
+
+    def _store(self, key: tuple, seconds: float, answer: HubModel | HubError) -> None:
+        """Keep one answer, dropping expired ones: a rotated token leaves its entries behind otherwise."""
+        now = self.clock()
+        with self._guard:
+            for old in [k for k, (until, _) in self._entries.items() if until <= now]:
+                del self._entries[old]
+            self._entries[key] = (now + seconds, answer)
