@@ -2,10 +2,14 @@
 stand-in (tests/hub_standin.py, the one stand-in, through the HF_ENDPOINT the operator writes), becomes
 ready, and answers at its pod IP; replicas and restarts on the shared cache volume do not download again.
 
-The stand-in serves two repos:
+The stand-in serves three repos:
 - `HuggingFaceTB/SmolLM2-135M-Instruct`: the bundled GGUF's conversion to a Hugging Face folder (the same
-  model the real repo holds, dequantized from Q4_1), so examples/hub-model-cached.yaml runs as written;
-- `acme/smollm2-gated`: the same folder again, gated, granted to one token.
+  model the real repo holds, dequantized from Q4_1, stored in fp32), so examples/hub-model-cached.yaml
+  runs as written;
+- `standin/SmolLM2-135M-Instruct-bf16`: the same weights stored in bf16 as the real repo stores its own
+  (tests/half_checkpoints.py: half the bytes, config.json's torch_dtype bfloat16), the format of nearly
+  every Hub model; the hub example runs against both;
+- `acme/smollm2-gated`: the GGUF conversion again, gated, granted to one token.
 The session's operator is replaced for this module by one with --hf-endpoint.
 """
 
@@ -27,7 +31,7 @@ from e2e_helpers import (
     replaced_operator,
     wait_for,
 )
-from hub_standin import HubStandin
+from hub_standin import HubStandin, cast_checkpoint
 from pod_runner import PodRunner
 from test_examples import example
 from test_pod_runner import (
@@ -40,19 +44,22 @@ from test_pod_runner import (
 )
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_BF16 = "standin/SmolLM2-135M-Instruct-bf16"
 GATED = "acme/smollm2-gated"
 TOKEN = "hf_e2e_granted"
 WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def hub() -> Iterator[HubStandin]:
+def hub(tmp_path_factory) -> Iterator[HubStandin]:
     # The engine (torch) is imported only when this module runs.
     from tokenmill.engine.model.resolve import resolve_model
 
     folder = resolve_model(None)
+    bf16 = cast_checkpoint(folder, tmp_path_factory.mktemp("smollm2-bf16"), "bfloat16")
     with HubStandin() as hub:
         hub.smollm2_sha = hub.add_repo(SMOLLM2, folder)
+        hub.shas = {SMOLLM2: hub.smollm2_sha, SMOLLM2_BF16: hub.add_repo(SMOLLM2_BF16, bf16)}
         hub.gated_sha = hub.add_repo(GATED, folder, tags=("v1",), gated=True, tokens=(TOKEN,))
         yield hub
 
@@ -83,10 +90,19 @@ def file_gets(hub: HubStandin, repo: str) -> list[str]:
     return [r.filename for r in hub.requests(repo, "GET") if r.filename and r.status in (200, 206)]
 
 
+def weights_bytes(hub: HubStandin, repo: str) -> int:
+    """What the stand-in holds of the repo's safetensors at main (the files on disk)."""
+    files = hub.repos[repo].commits[hub.repos[repo].refs["main"]].values()
+    return sum(f.size for f in files if f.path.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("repo", [SMOLLM2, SMOLLM2_BF16], ids=["gguf-fp32", "bf16"])
 def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
         cluster: Cluster, hub_operator: OperatorProcess, pod_runner: PodRunner, hub: HubStandin,
-        namespace: str) -> None:
+        namespace: str, repo: str) -> None:
     isvc = with_runner(next(d for d in example("hub-model-cached.yaml", namespace) if d["kind"] == "InferenceService"))
+    assert isvc["spec"]["model"]["uri"] == f"hf://{SMOLLM2}@main"  # the example as written...
+    isvc["spec"]["model"]["uri"] = f"hf://{repo}@main"  # ...or its bf16 twin
     name = isvc["metadata"]["name"]
     claim = f"{name}-model-cache"
     # No storage provisioner here: a volume pre-bound to the claim the operator will create. The runner
@@ -97,7 +113,9 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
         apply(cluster, isvc)
         obj, seen = wait_ready_sampling_kstatus(cluster, namespace, name)
         assert obj["status"]["readyReplicas"] == 2, obj["status"]
-        assert obj["status"]["sizing"]["hub"]["commit"] == hub.smollm2_sha, obj["status"]["sizing"]
+        assert obj["status"]["sizing"]["hub"]["commit"] == hub.shas[repo], obj["status"]["sizing"]
+        # Sized from the repo's own files: the bf16 one's weights are half the fp32 conversion's bytes.
+        assert obj["status"]["sizing"]["hub"]["weightsBytes"] == weights_bytes(hub, repo), obj["status"]["sizing"]
         assert any(s == "InProgress" for _, _, s in seen) and seen[-1][2] == "Current", seen
         assert get(cluster, "pvc", claim, namespace)["status"]["phase"] == "Bound"
 
@@ -116,7 +134,7 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
         assert Path(homes.pop()).is_relative_to(pod_runner.root / "claims" / namespace / claim)
         # Two pods started together on one cache: the weights came over the wire once (the client's file
         # lock made the second wait for the first), and every file the engine loads at most once.
-        gets = file_gets(hub, SMOLLM2)
+        gets = file_gets(hub, repo)
         assert gets.count(WEIGHTS) == 1, gets
         assert len(gets) == len(set(gets)), gets
 
@@ -134,7 +152,7 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
         wait_for(lambda: (o := get(cluster, ISVC, name, namespace)) and o["status"].get("readyReplicas") == 2,
                  "readyReplicas 2 again", timeout=60)
         assert completion(new).status_code == 200
-        assert file_gets(hub, SMOLLM2) == [], hub.requests(SMOLLM2)
+        assert file_gets(hub, repo) == [], hub.requests(repo)
         assert pod_runner.all_errors() == []
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s", check=False)

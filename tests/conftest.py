@@ -42,3 +42,20 @@ def bundled_model_dir() -> pathlib.Path:
     from tokenmill.engine.model.resolve import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def bundled_checkpoint(bundled_model_dir, tmp_path_factory):
+    """dtype -> the bundled model as a folder stored in that dtype: "float32" is the GGUF conversion itself,
+    "bfloat16" / "float16" its weights cast as Hub repos ship them (tests/half_checkpoints.py), each
+    written once per session on first use (about a second, 270 MB)."""
+    from tests.half_checkpoints import cast_checkpoint
+
+    made = {"float32": bundled_model_dir}
+
+    def get(dtype: str) -> pathlib.Path:
+        if dtype not in made:
+            made[dtype] = cast_checkpoint(bundled_model_dir, tmp_path_factory.mktemp(f"bundled-{dtype}"), dtype)
+        return made[dtype]
+
+    return get

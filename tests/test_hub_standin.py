@@ -74,3 +74,22 @@ def test_cut_download_resumes_with_a_range_request(hub, tmp_path) -> None:
     gets = [r for r in hub.requests("tiny/big", "GET") if r.filename == "model.safetensors"]
     assert [r.status for r in gets] == [200, 206]
     assert gets[1].range is not None and gets[1].range.startswith("bytes=") and gets[1].range != "bytes=0-"
+
+
+def test_a_bf16_repo_beside_the_gguf_conversion_reports_its_own_dtype(hub, bundled_checkpoint, tmp_path) -> None:
+    """The bundled model as the GGUF conversion (fp32) and stored in bf16 (tests/half_checkpoints.py), two
+    repos: the client sees each one's safetensors parameter counts by dtype, as the Hub reports them, and
+    the bf16 one's weights at half the bytes; its config.json arrives as written (torch_dtype bfloat16)."""
+    fp32, bf16 = bundled_checkpoint("float32"), bundled_checkpoint("bfloat16")
+    hub.add_repo("HuggingFaceTB/SmolLM2-135M-Instruct", fp32)
+    hub.add_repo("standin/SmolLM2-135M-Instruct-bf16", bf16)
+    api = HfApi(endpoint=hub.url)
+    a = api.model_info("HuggingFaceTB/SmolLM2-135M-Instruct", files_metadata=True)
+    b = api.model_info("standin/SmolLM2-135M-Instruct-bf16", files_metadata=True)
+    assert list(a.safetensors.parameters) == ["F32"] and list(b.safetensors.parameters) == ["BF16"]
+    assert a.safetensors.total == b.safetensors.total > 100_000_000  # 135M parameters either way
+    size = {i.id: {s.rfilename: s.size for s in i.siblings}["model.safetensors"] for i in (a, b)}
+    assert size[b.id] < 0.51 * size[a.id]  # 2 bytes a weight instead of 4, plus the same header
+    folder = pathlib.Path(snapshot_download(b.id, cache_dir=tmp_path / "c", endpoint=hub.url,
+                                            allow_patterns=["*.json"]))
+    assert (folder / "config.json").read_bytes() == (bf16 / "config.json").read_bytes()

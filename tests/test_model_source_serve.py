@@ -1,12 +1,14 @@
 """Hub models through the real programs: `tokenmill serve --model hf://...` (a real server process, the
 official openai client), `tokenmill download`, `tokenmill serve --check`, all against the Hub stand-in
-(tests/hub_standin.py) through HF_ENDPOINT, with a fresh HF_HOME; the stand-in counts every request."""
+(tests/hub_standin.py) through HF_ENDPOINT, with a fresh HF_HOME; the stand-in counts every request.
+The served repo is a tiny Llama stored in fp32 and the same architecture stored in bf16, as Hub repos are."""
 
 import subprocess
 import sys
 
 import openai
 import pytest
+import torch
 from conftest_server import REPO, ServerProcess
 from hub_standin import HubStandin
 from tiny_models import make_tiny_model
@@ -18,8 +20,11 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, bundled_model_dir):
     tiny = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", tokenizer_dir=bundled_model_dir)
+    bf16 = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", tokenizer_dir=bundled_model_dir,
+                           dtype=torch.bfloat16)
     with HubStandin() as hub:
         hub.sha = hub.add_repo("tiny/llama", tiny, tags=("v1",))
+        hub.shas = {"tiny/llama": hub.sha, "tiny/llama-bf16": hub.add_repo("tiny/llama-bf16", bf16, tags=("v1",))}
         hub.add_repo("tiny/gated", tiny, gated=True, tokens=("hf_granted",))
         yield hub
 
@@ -45,10 +50,11 @@ def _tokenmill(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=full, cwd=REPO / "tests", capture_output=True, text=True, timeout=600)
 
 
-def test_serve_downloads_once_and_answers(hub, env, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("repo", ["tiny/llama", "tiny/llama-bf16"])
+def test_serve_downloads_once_and_answers(hub, env, tmp_path, monkeypatch, repo) -> None:
     args = (
         "--model",
-        "hf://tiny/llama@v1",
+        f"hf://{repo}@v1",
         "--max-model-len",
         "256",
         "--num-kv-blocks",
@@ -63,8 +69,8 @@ def test_serve_downloads_once_and_answers(hub, env, tmp_path, monkeypatch) -> No
         client = openai.OpenAI(
             base_url=f"{first.url}/v1", api_key="none", max_retries=0, timeout=600
         )  # the first step may build the C++ kernels
-        assert [m.id for m in client.models.list().data] == ["tiny/llama"]  # the repo id, as vLLM names it
-        served = client.completions.create(model="tiny/llama", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert [m.id for m in client.models.list().data] == [repo]  # the repo id, as vLLM names it
+        served = client.completions.create(model=repo, prompt=PROMPT, max_tokens=8, temperature=0)
         assert gated.proc.wait(300) == 1
     finally:
         first.stop()
@@ -73,7 +79,7 @@ def test_serve_downloads_once_and_answers(hub, env, tmp_path, monkeypatch) -> No
     failure = [line for line in gated.log().splitlines() if "startup failed" in line]
     assert len(failure) == 1 and "hf://tiny/gated@main is a gated repo" in failure[0]
     assert "set HF_TOKEN" in failure[0]
-    assert hub.downloads("tiny/llama", "model.safetensors") == 1
+    assert hub.downloads(repo, "model.safetensors") == 1
     assert hub.downloads("tiny/gated", "model.safetensors") == 0
 
     hub.reset_log()
@@ -90,7 +96,7 @@ def test_serve_downloads_once_and_answers(hub, env, tmp_path, monkeypatch) -> No
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    llm = LLM(model=f"hf://tiny/llama@{hub.sha}", dtype="float32", max_model_len=256, num_kv_blocks=64)
+    llm = LLM(model=f"hf://{repo}@{hub.shas[repo]}", dtype="float32", max_model_len=256, num_kv_blocks=64)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert out[0].outputs[0].text == served.choices[0].text
     assert hub.requests() == []

@@ -69,13 +69,15 @@ def make_tiny_model(
     tokenizer_dir: pathlib.Path | None = None,
     seed: int = 0,
     vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> pathlib.Path:
     """A tiny random `arch` model saved as an HF folder under tmp_path; returns the folder.
 
     The tokenizer is the bundled model's (vocab 49152), copied from tokenizer_dir (default: the
     converted bundled model). With vocab_size given, no tokenizer is written (weights-only tests).
     Weights are scaled up from HF's init (std 0.02) so logits are far from uniform and greedy decoding
-    does not hinge on near-ties.
+    does not hinge on near-ties. With dtype bf16 or fp16 the weights are drawn in fp32 and stored cast
+    (config.json's dtype says so), as a Hub repo ships them; the folder is then named tiny-ARCH-DTYPE.
     """
     from tokenmill.engine.model.resolve import resolve_model
     from transformers import AutoModelForCausalLM
@@ -91,8 +93,9 @@ def make_tiny_model(
                 p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.2)
-    out = pathlib.Path(tmp_path) / f"tiny-{arch}"
-    model.save_pretrained(out, safe_serialization=True)
+    suffix = "" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch.")
+    out = pathlib.Path(tmp_path) / f"tiny-{arch}{suffix}"
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
     if vocab_size is not None:
         return out
     tokenizer_dir = pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else resolve_model(None)
