@@ -5,13 +5,16 @@ engine pods against a 2-GPU ClusterQueue, and the InferenceService's status says
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
 import pytest
+import yaml
 from cluster import Cluster, Tools
 from e2e_helpers import (
     CHART,
+    EXAMPLES,
     ISVC,
     OPERATOR_NAMESPACE,
     RELEASE,
@@ -195,6 +198,29 @@ def test_a_queue_change_on_an_admitted_service_is_refused(cluster: Cluster, queu
     assert not [p for p in pods(cluster, namespace, "chat") if gated(p)]  # still serving
 
 
+def test_a_multi_node_replica_is_admitted_as_one_group(cluster: Cluster, queue: str, namespace: str) -> None:
+    # The bundled model declared as 50B parameters plans PP 2 over two H100 pods (test_multinode.py): each
+    # replica is a LeaderWorkerSet group of two 1-GPU pods, so the 2-GPU queue admits one of two groups.
+    body = service("piped", replicas=2)
+    body["spec"]["model"]["profile"] = {"parameters": 50_000_000_000}
+    del body["spec"]["resources"]["gpu"]["count"]
+    apply(cluster, body, namespace)
+    obj = wait_for(lambda: (o := isvc(cluster, "piped", namespace)) and
+                   (condition(o, "Admitted") or {}).get("reason") == "QueuedByKueue" and
+                   (o.get("status") or {}).get("readyReplicas") == 1 and o,
+                   "one group ready, the other QueuedByKueue", timeout=90)
+    assert obj["status"]["sizing"]["nodesPerReplica"] == 2
+    lws = get(cluster, "leaderworkersets.leaderworkerset.x-k8s.io", "piped-lws", namespace)
+    assert lws["metadata"]["labels"][QUEUE_LABEL] == "gpus"
+    message = condition(obj, "Admitted")["message"]
+    assert f"Kueue holds 1 of 2 groups ({GATE} gate)" in message and f"ask for 2 {GPU} (2 per replica)" in message
+    assert condition(obj, "Ready")["reason"] == "QueuedByKueue"
+    by_group: dict[str, list[bool]] = {}
+    for p in pods(cluster, namespace, "piped"):
+        by_group.setdefault(p["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/group-index"], []).append(gated(p))
+    assert sorted(sorted(g) for g in by_group.values()) == [[False, False], [True, True]], by_group
+
+
 @pytest.fixture
 def priorities(cluster: Cluster, namespace: str) -> Iterator[tuple[str, str]]:
     low, high = f"low-{namespace}", f"high-{namespace}"
@@ -254,3 +280,46 @@ def test_autoscaled_service_stops_at_the_queue_quota_with_scaling_limited(
         assert not [p for p in pods(cluster, namespace, "chat") if gated(p)]  # nothing asked beyond the queue
     finally:
         prometheus.stop()
+
+
+def test_the_cluster_queue_example_admits_its_service(cluster: Cluster, kueue_operator: OperatorProcess,
+                                                       namespace: str) -> None:
+    """examples/kueue-cluster-queue.yaml as written, but in the test's namespace, with the cluster-scoped
+    objects renamed after it (so that tests never share a ClusterQueue)."""
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / "kueue-cluster-queue.yaml").read_text())
+            if d and d["kind"] != "Namespace"]
+    suffix = f"-{namespace}"
+    renamed = {d["metadata"]["name"]: d["metadata"]["name"] + suffix for d in docs
+               if d["kind"] in ("ResourceFlavor", "ClusterQueue", "WorkloadPriorityClass")}
+    for d in docs:
+        meta = d["metadata"]
+        if d["kind"] in ("ResourceFlavor", "ClusterQueue", "WorkloadPriorityClass"):
+            meta["name"] = renamed[meta["name"]]
+        else:
+            meta["namespace"] = namespace
+        if d["kind"] == "ClusterQueue":
+            d["spec"]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] = namespace
+            for group in d["spec"]["resourceGroups"]:
+                for flavor in group["flavors"]:
+                    flavor["name"] = renamed[flavor["name"]]
+        if d["kind"] == "LocalQueue":
+            d["spec"]["clusterQueue"] = renamed[d["spec"]["clusterQueue"]]
+        if d["kind"] == "InferenceService":
+            meta["labels"][PRIORITY_LABEL] = renamed[meta["labels"][PRIORITY_LABEL]]
+    try:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        cq = renamed["team-kueue"]
+        obj = wait_for(lambda: (o := isvc(cluster, "chat", namespace)) and
+                       (condition(o, "Ready") or {}).get("status") == "True" and o, "the example's service Ready")
+        admitted = condition(obj, "Admitted")
+        assert admitted["status"] == "True", admitted
+        assert admitted["message"].startswith(f"2 pods admitted by ClusterQueue {cq} (2 {GPU})"), admitted
+        assert f"ClusterQueue {cq} has 0 of 2 {GPU} free (2 in use)" in admitted["message"], admitted
+        dep = get(cluster, "deployment", "chat", namespace)
+        assert dep["metadata"]["labels"][PRIORITY_LABEL] == renamed["inference-high"]
+        [wl, _] = [w for w in items(cluster, "workloads.kueue.x-k8s.io", namespace)]
+        assert wl["spec"]["priority"] == 1000, wl["spec"]
+    finally:
+        for kind in ("clusterqueue", "resourceflavor", "workloadpriorityclass"):
+            names = [n for n, d in ((d["metadata"]["name"], d) for d in docs) if d["kind"].lower() == kind]
+            cluster.kubectl("delete", kind, *names, "--wait=false", "--ignore-not-found", check=False)

@@ -374,3 +374,25 @@ def test_workload_names_of_other_services_do_not_match():
     assert pattern.match("leaderworkerset-batch-lws-1-9f8e7")
     assert not pattern.match("pod-batch-two-5d8f9c7b4-x0abc-9f8e7")
     assert not pattern.match("pod-batchx-5d8f9c7b4-x0abc-9f8e7")
+
+
+def test_a_leader_worker_set_group_is_held_or_admitted_whole():
+    from tokenmill.operator.plan.kueue import QueueView, admission
+
+    spec = parse_inference_service({"metadata": {"name": "big", "namespace": NS, "labels": {QUEUE: "gpus"}},
+                                    "spec": smol(replicas=2)})
+    api = KueueApi()
+    cluster_queue(api, nominal=2, used=2)
+
+    def pod(group: int, worker: int) -> dict:
+        return {"metadata": {"name": f"big-lws-{group}" + (f"-{worker}" if worker else ""),
+                             "labels": {"leaderworkerset.sigs.k8s.io/group-index": str(group)}},
+                "spec": {"schedulingGates": [GATE]} if group == 1 else {}}
+
+    view = QueueView("gpus", local_queue=api.objects[("LocalQueue", NS, "gpus")],
+                     cluster_queue=api.objects[("ClusterQueue", None, "team-gpus")])
+    result = admission(spec, view, [pod(g, w) for g in (0, 1) for w in (0, 1)], 2,
+                       workload_name_pattern(spec, "big-lws"), NOW)
+    assert (result.queued, result.admitted_replicas, result.own_gpus) == (1, 1, 2)
+    assert "Kueue holds 1 of 2 groups" in result.admitted.message
+    assert "ask for 2 nvidia.com/gpu (2 per replica)" in result.admitted.message
