@@ -396,3 +396,13 @@ def test_a_leader_worker_set_group_is_held_or_admitted_whole():
     assert (result.queued, result.admitted_replicas, result.own_gpus) == (1, 1, 2)
     assert "Kueue holds 1 of 2 groups" in result.admitted.message
     assert "ask for 2 nvidia.com/gpu (2 per replica)" in result.admitted.message
+
+
+def test_scaling_limited_stands_between_autoscaling_passes():
+    api = KueueApi()
+    scrape = _autoscaled(api, used=1, own_pods=1)
+    assert cond(run(api, autoscale=True, now=NOW + 30, scrape=scrape), "ScalingLimited")["status"] == "True"
+    api.events.clear()
+    status = run(api, autoscale=False, now=NOW + 31)  # a watch event's reconcile: no autoscaling decision
+    assert cond(status, "ScalingLimited")["status"] == "True"
+    assert not [e for e in api.events if e[1] in ("WithinQueueQuota", "QueueQuota")], api.events

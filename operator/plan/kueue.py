@@ -219,7 +219,7 @@ def admission(spec: ServiceSpec, view: QueueView, pods: list[dict], gpus_per_rep
             text += f"; admitted by preempting {names}"
         cond = Condition("Admitted", "True", "Admitted", text)
     else:
-        cond = Condition("Admitted", "True", "NothingQueued", f"no pods in LocalQueue {q} -> ClusterQueue {cq}")
+        cond = Condition("Admitted", "False", "NoPods", f"no pods (yet) to admit in LocalQueue {q} -> ClusterQueue {cq}")
     return Admission(cond, len(queued), admitted, own, quota)
 
 

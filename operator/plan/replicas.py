@@ -60,6 +60,11 @@ def plan_replicas(spec: ServiceSpec, sizing: SizingPlan, *, current: int | None,
     if queue is not None:
         replicas, limited, queue_why = limit_by_queue(spec, queue, per_replica, wanted, replicas, current, cap)
         why = queue_why or why
+        kept = next((c for c in previous.get("conditions") or [] if c.get("type") == "ScalingLimited"), None)
+        if spec.scaling is not None and decision is None and kept is not None:
+            # No autoscaling decision this pass (a watch event): the last decision's condition stands, as
+            # ScalingActive's does, rather than flapping between passes.
+            limited = Condition("ScalingLimited", kept["status"], kept.get("reason", ""), kept.get("message", ""))
     return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, why, limited)
 
 
