@@ -76,7 +76,7 @@ def test_namespaced_chart_reads_cluster_queues_through_its_one_cluster_role(tool
 
 def test_chart_refuses_a_kueue_value_that_is_neither_auto_nor_a_boolean(tools: Tools) -> None:
     proc = _template(tools, "--set", "rbac.kueue=sometimes", check=False)
-    assert proc.returncode != 0 and "rbac.kueue" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "/rbac/kueue" in proc.stderr, proc.stderr
 
 
 @pytest.fixture(scope="module")
