@@ -406,3 +406,14 @@ def test_scaling_limited_stands_between_autoscaling_passes():
     status = run(api, autoscale=False, now=NOW + 31)  # a watch event's reconcile: no autoscaling decision
     assert cond(status, "ScalingLimited")["status"] == "True"
     assert not [e for e in api.events if e[1] in ("WithinQueueQuota", "QueueQuota")], api.events
+
+
+def test_a_cluster_queue_usage_behind_this_services_admitted_pods_counts_them():
+    api = KueueApi()
+    cluster_queue(api, nominal=2, used=0)  # flavorsUsage not yet updated by Kueue
+    queued_isvc(api, smol(replicas=2))
+    run(api)
+    pods(api, 2)
+    deployment_ready(api)
+    message = cond(run(api), "Admitted")["message"]
+    assert "has 0 of 2 nvidia.com/gpu free (2 in use)" in message, message

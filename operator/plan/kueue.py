@@ -10,6 +10,7 @@ is deleted with its Workload (the Deployment makes a gated replacement); the Wor
 remains, and its message names the preemptor Workload's UID.
 """
 
+import dataclasses
 import datetime
 import re
 from dataclasses import dataclass, field
@@ -186,8 +187,12 @@ def admission(spec: ServiceSpec, view: QueueView, pods: list[dict], gpus_per_rep
     replicas = replicas_of(pods)
     queued = [k for k, ps in replicas.items() if any(gated(p) for p in ps)]
     admitted = len(replicas) - len(queued)
-    quota = queue_quota(view.cluster_queue) if view.cluster_queue is not None else None
     own = admitted * gpus_per_replica
+    quota = queue_quota(view.cluster_queue) if view.cluster_queue is not None else None
+    if quota is not None and quota.used < own:
+        # Kueue updates the ClusterQueue's flavorsUsage after it admits (seen: "0 in use" with both of this
+        # service's pods admitted and Ready); what this service's admitted replicas hold is a floor for it.
+        quota = dataclasses.replace(quota, used=own)
     unit = "groups" if any(k.startswith("group ") for k in replicas) else "pods"
     cq = view.cluster_queue_name
     victims, by_us = preemptions(view, pattern, now)
