@@ -29,6 +29,10 @@ RESOURCES = {
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Event": ("/api/v1", "events"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    # Kueue (read only): the queue a service names, its ClusterQueue (cluster-scoped), the Workloads of its pods.
+    "LocalQueue": ("/apis/kueue.x-k8s.io/v1beta2", "localqueues"),
+    "ClusterQueue": ("/apis/kueue.x-k8s.io/v1beta2", "clusterqueues"),
+    "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads"),
     # Kopf's peering objects: read by the per-object loops to pause with Kopf (leadership.py).
     "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings"),
     "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings"),
@@ -94,8 +98,11 @@ class KubeApi:
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None:
         return self.request("GET", path(kind, namespace, name))
 
-    def list(self, kind: str, namespace: str, label_selector: str | None = None) -> list[dict]:
+    def list(self, kind: str, namespace: str, label_selector: str | None = None,
+             field_selector: str | None = None) -> list[dict]:
         query = [("labelSelector", label_selector)] if label_selector else []
+        if field_selector:
+            query.append(("fieldSelector", field_selector))
         return (self.request("GET", path(kind, namespace), query=query) or {}).get("items") or []
 
     def apply(self, obj: dict, field_manager: str = FIELD_MANAGER) -> dict:

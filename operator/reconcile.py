@@ -7,20 +7,30 @@ the stage modules (tokenmill.operator's docstring has the map).
 here; handlers.py calls `reconcile` from watch events and from the per-object loop.
 """
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 
 from tokenmill.operator.apply import apply_children
 from tokenmill.operator.children.desired import desired_children
+from tokenmill.operator.children.leaderworkerset import lws_name
 from tokenmill.operator.children.pod import DEFAULT_ENGINE_IMAGE
 from tokenmill.operator.observe.cluster import first_blocker, read_children
 from tokenmill.operator.observe.engine_metrics import Readings, query_prometheus, read_engines, scrape_pods
 from tokenmill.operator.observe.hub import HubCache
 from tokenmill.operator.observe.hub_lookup import ask_hub
+from tokenmill.operator.observe.kueue import read_queue
 from tokenmill.operator.plan.autoscaler import STALE_AFTER_SECONDS
+from tokenmill.operator.plan.kueue import (
+    admission,
+    effective_queue_labels,
+    refused_edit,
+    workload_name_pattern,
+)
 from tokenmill.operator.plan.profiles import hub_question, size_service
 from tokenmill.operator.plan.replicas import plan_replicas
+from tokenmill.operator.plan.sizing import gpus_per_replica
 from tokenmill.operator.plan.spec import SpecError, parse_inference_service
 from tokenmill.operator.status import (
     held,
@@ -91,19 +101,29 @@ def _reconcile(api, body: dict, config: OperatorConfig, autoscale: bool, now: fl
     sized = size_service(spec, ask_hub(api, spec, config.hub, config.hf_endpoint, hub_question(spec)))
     live = read_children(api, spec, sized.plan, previous)
     blocker = first_blocker(api, spec, sized.plan, live) if sized.feasible else None
+    # Kueue's labels: an edit its webhook would refuse is refused here, with the reason; a label dropped
+    # from the InferenceService stays on the workload (Kueue refuses removing it).
+    raw_workload = live.objects.get(live.workload_kind) if live.workload is not None else None
+    blocker = blocker or refused_edit(spec, raw_workload, live.workload_kind)
+    queue, priority = effective_queue_labels(spec, raw_workload)
+    spec = dataclasses.replace(spec, queue_name=queue, priority_class=priority)
     if blocker is not None or not sized.feasible:
         return write_status(api, body, previous, held(spec, sized, live, previous, blocker, now), now)
 
-    # Observe the engines and the GPU quota; plan the replicas.
+    # Observe the engines, the GPU quota and Kueue's queue; plan the replicas.
+    view = read_queue(api, spec.namespace, spec.queue_name, live)
+    queued = None if view is None else admission(spec, view, live.pods, gpus_per_replica(sized.plan),
+                                                 workload_name_pattern(spec, lws_name(spec)), now)
     engines = read_engines(spec, live.pods, autoscale, config.metrics_timeout, scrape, query_prometheus)
     measured, events = measurement(previous, sized.plan, spec.generation, engines.measured, now)
     replicas = plan_replicas(spec, sized.plan, current=live.current, engines=engines, measured=measured,
                              previous=previous, history=recommendations(previous),
                              quotas=api.list("ResourceQuota", spec.namespace), pods=live.pods,
-                             interval=config.interval, stale_after=config.stale_after, autoscale=autoscale, now=now)
+                             interval=config.interval, stale_after=config.stale_after, autoscale=autoscale, now=now,
+                             queue=queued)
 
     # The desired children, applied; then status.
     desired = desired_children(spec, sized.plan, replicas.replicas, config.engine_image, config.hf_endpoint)
     applied = apply_children(api, spec, desired, live, replicas.why, events)
-    report = serving(spec, sized, live, previous, replicas, applied, measured, events, now)
+    report = serving(spec, sized, live, previous, replicas, applied, measured, events, now, queued)
     return write_status(api, body, previous, report, now)

@@ -19,6 +19,7 @@ from tokenmill.operator.observe.cluster import Live
 from tokenmill.operator.plan.autoscaler import Recommendation, ScaleDecision
 from tokenmill.operator.plan.catalog import ModelProfile
 from tokenmill.operator.plan.conditions import Condition, Facts, compute_conditions, rollout_from
+from tokenmill.operator.plan.kueue import Admission
 from tokenmill.operator.plan.observations import HubModel
 from tokenmill.operator.plan.profiles import Sized
 from tokenmill.operator.plan.replicas import ReplicaPlan, target
@@ -183,8 +184,9 @@ def held(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, blocker: t
 
 
 def serving(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, replicas: ReplicaPlan, applied: Applied,
-            measured: dict | None, events: list[Event], now: float) -> Report:
-    """The children applied: their counts, the scaling history and the rollout's conditions."""
+            measured: dict | None, events: list[Event], now: float, queue: Admission | None = None) -> Report:
+    """The children applied: their counts, the scaling history and the rollout's conditions; `queue`:
+    Kueue's admission, for a service in a Kueue queue."""
     status = _status(spec, sized, live, measured, replicas.replicas, applied.workload)
     scaling = scaling_status(spec, sized.plan, previous, replicas.decision, measured,
                              iso(now) if applied.scaled else None)
@@ -192,8 +194,10 @@ def serving(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, replica
         status["scaling"] = scaling
     floor = spec.scaling.min_replicas if spec.scaling is not None else None
     rollout = rollout_from(applied.workload, replicas.replicas, live.pods, floor, applied.spec_changed)
+    kueue = {} if queue is None else {"admitted": queue.admitted, "scaling_limited": replicas.limited,
+                                      "kueue_holding": queue.holding}
     return Report(status, Facts(sized=sized.condition, rollout=rollout, quota=replicas.quota,
-                                scaling=replicas.scaling, endpoint=status["endpoint"]), events)
+                                scaling=replicas.scaling, endpoint=status["endpoint"], **kueue), events)
 
 
 def write_status(api, body: dict, previous: dict, report: Report, now: float) -> dict:
@@ -234,7 +238,9 @@ def merge_conditions(previous: list[dict] | None, new: list[Condition], generati
     return out
 
 
-PROGRESS_REASONS = {"Creating", "RollingOut", "WaitingForReplicas", "ScalingDown"}
+PROGRESS_REASONS = {"Creating", "RollingOut", "WaitingForReplicas", "ScalingDown", "QueuedByKueue"}
+# Admitted=False for these needs attention (a Warning event); waiting in the queue does not.
+KUEUE_BAD_REASONS = {"Preempted", "Evicted", "LocalQueueNotFound"}
 
 
 def is_bad(cond: Condition) -> bool:
@@ -243,8 +249,10 @@ def is_bad(cond: Condition) -> bool:
         return True
     if cond.type in ("Stalled", "QuotaLimited"):
         return cond.status == "True"
-    if cond.type == "Reconciling":
-        return False
+    if cond.type in ("Reconciling", "ScalingLimited"):
+        return False  # ScalingLimited: the queue's bound working as meant (as the HPA's condition)
+    if cond.type == "Admitted":
+        return cond.status == "False" and cond.reason in KUEUE_BAD_REASONS
     if cond.type == "ScalingActive":
         return cond.status == "False" and cond.reason not in ("FixedReplicas", "NotSized", "WaitingForMetrics",
                                                               "NoReadyPods")

@@ -64,6 +64,9 @@ class FakeApi:
     def create_event(self, obj, type_, reason, message):
         self.events.append((type_, reason, message))
 
+    def has_resource(self, group, version, plural):
+        return False  # no LeaderWorkerSet or Kueue API here (tests/test_operator_kueue.py has Kueue's)
+
 
 def _merge(old: dict, patch: dict) -> dict:
     out = dict(old)

@@ -1,6 +1,6 @@
 """The Deployment of a single-node InferenceService: `replicas` engine pods, replaced one at a time."""
 
-from tokenmill.operator.children.meta import child_metadata, selector_labels, stamp
+from tokenmill.operator.children.meta import selector_labels, stamp, workload_metadata
 from tokenmill.operator.children.pod import pod_template, startup_timeout_seconds
 from tokenmill.operator.plan.sizing import SizingPlan
 from tokenmill.operator.plan.spec import ServiceSpec
@@ -12,7 +12,7 @@ def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image
     return stamp({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_metadata(spec),
+        "metadata": workload_metadata(spec),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(spec.name)},

@@ -7,7 +7,7 @@ LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX; the engine rendezvous f
 spec and plan in, dicts out.
 """
 
-from tokenmill.operator.children.meta import child_metadata, stamp
+from tokenmill.operator.children.meta import stamp, workload_metadata
 from tokenmill.operator.children.pod import pod_template
 from tokenmill.operator.plan.sizing import SizingPlan
 from tokenmill.operator.plan.spec import ServiceSpec
@@ -74,7 +74,7 @@ def desired_leaderworkerset(spec: ServiceSpec, plan: SizingPlan, replicas: int, 
                             hf_endpoint: str | None = None) -> dict:
     """`replicas` groups of `plan.nodes_per_replica` pods (LWS's spec.replicas counts groups)."""
     leader = _with_role(pod_template(spec, plan, image, hf_endpoint), LEADER)
-    metadata = {**child_metadata(spec), "name": lws_name(spec)}
+    metadata = {**workload_metadata(spec), "name": lws_name(spec)}
     return stamp({
         "apiVersion": API_VERSION,
         "kind": KIND,

@@ -4,7 +4,7 @@ owner reference, and the hash of the desired object (so that the next apply remo
 import hashlib
 import json
 
-from tokenmill.operator.plan.spec import API_VERSION, KIND, ServiceSpec
+from tokenmill.operator.plan.spec import API_VERSION, KIND, PRIORITY_LABEL, QUEUE_LABEL, ServiceSpec
 
 PORT = 8000
 OPERATOR_NAME = "tokenmill-operator"
@@ -31,6 +31,24 @@ def labels(name: str) -> dict[str, str]:
     }
 
 
+def kueue_labels(spec: ServiceSpec) -> dict[str, str]:
+    """Kueue's queue and priority labels of the InferenceService, for the workload's own metadata (where
+    Kueue's Deployment and LeaderWorkerSet integrations read them) and its pod templates (where its pod
+    webhook reads them; Kueue's own webhook copies them there too, with the same values)."""
+    out = {}
+    if spec.queue_name:
+        out[QUEUE_LABEL] = spec.queue_name
+    if spec.priority_class:
+        out[PRIORITY_LABEL] = spec.priority_class
+    return out
+
+
+def workload_metadata(spec: ServiceSpec) -> dict:
+    """child_metadata with Kueue's labels: for the Deployment or LeaderWorkerSet only."""
+    meta = child_metadata(spec)
+    return {**meta, "labels": {**meta["labels"], **kueue_labels(spec)}}
+
+
 def owner_reference(spec: ServiceSpec) -> dict:
     return {
         "apiVersion": API_VERSION,
@@ -40,7 +58,6 @@ def owner_reference(spec: ServiceSpec) -> dict:
         "controller": True,
         "blockOwnerDeletion": True,
     }
-
 
 
 def child_metadata(spec: ServiceSpec) -> dict:

@@ -4,7 +4,7 @@
 import math
 
 from tokenmill.operator.children import model_source
-from tokenmill.operator.children.meta import PORT, labels
+from tokenmill.operator.children.meta import PORT, kueue_labels, labels
 from tokenmill.operator.plan.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
 from tokenmill.operator.plan.quota import parse_quantity
 from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_pod
@@ -181,7 +181,7 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: s
         if t.get(key):
             pod_spec[key] = t[key]
 
-    pod_labels = {**(t.get("labels") or {}), **labels(spec.name)}
+    pod_labels = {**(t.get("labels") or {}), **labels(spec.name), **kueue_labels(spec)}
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(PORT),

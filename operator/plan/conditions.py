@@ -8,6 +8,8 @@ and Stalled are not True, and Ready is True; Argo CD's and Flux's health checks 
 
 from dataclasses import dataclass
 
+from tokenmill.operator.plan.spec import KUEUE_GATE
+
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Sized", "QuotaLimited", "ScalingActive")
 
 
@@ -73,9 +75,17 @@ def rollout_from(
 BLOCKING_WAIT_REASONS = {"CreateContainerConfigError", "InvalidImageName", "ErrImagePull", "ImagePullBackOff"}
 
 
+def gated(pod: dict) -> bool:
+    """Kueue holds the pod (its scheduling gate): waiting in a queue on purpose, not a pod problem."""
+    return any(g.get("name") == KUEUE_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
+
+
 def pod_problem(pods: list[dict]) -> tuple[str | None, bool]:
-    """The first reason a pod is not running well, as `pod NAME: REASON: message`."""
+    """The first reason a pod is not running well, as `pod NAME: REASON: message`; pods Kueue holds are
+    the Admitted condition's to explain."""
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if gated(pod):
+            continue
         name = pod["metadata"]["name"]
         status = pod.get("status") or {}
         for c in status.get("conditions") or []:
@@ -101,9 +111,21 @@ class Facts:
     quota: Condition | None = None
     scaling: Condition | None = None
     endpoint: str = ""
+    # Kueue (plan/kueue.py), for a service in a queue: Admitted, ScalingLimited, and whether it holds pods.
+    admitted: Condition | None = None
+    scaling_limited: Condition | None = None
+    kueue_holding: bool = False
 
 
 def compute_conditions(f: Facts) -> list[Condition]:
+    out = _core_conditions(f)
+    if f.admitted is not None:
+        out.append(f.admitted)
+        out.append(f.scaling_limited or Condition("ScalingLimited", "False", "NotSized", "nothing to scale yet"))
+    return out
+
+
+def _core_conditions(f: Facts) -> list[Condition]:
     c = {}
     if f.spec_error is not None:
         c["Sized"] = Condition("Sized", "Unknown", "InvalidSpec", f.spec_error)
@@ -120,7 +142,8 @@ def compute_conditions(f: Facts) -> list[Condition]:
         stalled = ("QuotaExhausted", f.quota.message)
     if stalled is None and r is not None and r.pod_blocked:
         stalled = ("PodsBlocked", r.pod_problem)
-    if stalled is None and r is not None and r.deadline_exceeded:
+    queued = f.kueue_holding and r is not None and r.ready < r.needed
+    if stalled is None and r is not None and r.deadline_exceeded and not queued:
         stalled = ("ProgressDeadlineExceeded", r.deadline_exceeded + (f"; {r.pod_problem}" if r.pod_problem else ""))
 
     c["QuotaLimited"] = f.quota or Condition("QuotaLimited", "False", "NotChecked", "no replicas to check against the GPU quota")
@@ -134,6 +157,9 @@ def compute_conditions(f: Facts) -> list[Condition]:
 
     c["Stalled"] = Condition("Stalled", "False", "NotStalled", "nothing blocks progress")
     progress = _progress(r)
+    if queued and f.admitted is not None:
+        # Waiting in a queue is progress (kstatus InProgress), not a failure: Kueue admits it when GPUs free up.
+        progress = ("QueuedByKueue", f"{r.ready}/{r.desired} replicas ready; {f.admitted.message}")
     if progress is not None:
         c["Reconciling"] = Condition("Reconciling", "True", *progress)
         c["Ready"] = Condition("Ready", "False", progress[0], progress[1])

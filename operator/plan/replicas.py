@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tokenmill.operator.plan import autoscaler
 from tokenmill.operator.plan.conditions import Condition
+from tokenmill.operator.plan.kueue import Admission, queue_cap
 from tokenmill.operator.plan.observations import TOTAL, EngineReadings
 from tokenmill.operator.plan.quota import QuotaCap, cap_replicas
 from tokenmill.operator.plan.sizing import REFERENCE_SEQUENCE_TOKENS, SizingPlan, gpus_per_replica
@@ -39,20 +40,58 @@ class ReplicaPlan:
     quota: Condition  # QuotaLimited
     decision: autoscaler.ScaleDecision | None  # the autoscaler's, when it decided this pass
     why: str  # what an event about a change of size says
+    limited: Condition | None = None  # ScalingLimited, for a service in a Kueue queue
 
 
 def plan_replicas(spec: ServiceSpec, sizing: SizingPlan, *, current: int | None, engines: EngineReadings,
                   measured: dict | None, previous: dict, history: tuple[autoscaler.Recommendation, ...],
                   quotas: list[dict], pods: list[dict], interval: float, stale_after: float, autoscale: bool,
-                  now: float) -> ReplicaPlan:
+                  now: float, queue: Admission | None = None) -> ReplicaPlan:
     """`current`: the workload's replicas (None before it exists); `previous`: the status last written,
-    `history` its recommendations; `pods`: this service's pods, whose GPUs count as its own headroom."""
+    `history` its recommendations; `pods`: this service's pods, whose GPUs count as its own headroom;
+    `queue`: Kueue's admission of them, when the service is in a Kueue queue."""
     wanted, scaling, decision = decide_replicas(spec, sizing, current, engines, measured, previous, history,
                                                 interval, stale_after, autoscale, now)
-    cap = cap_replicas(wanted, gpus_per_replica(sizing), quotas, pods, spec.template.get("priorityClassName"))
+    per_replica = gpus_per_replica(sizing)
+    cap = cap_replicas(wanted, per_replica, quotas, pods, spec.template.get("priorityClassName"))
     replicas = wanted if cap.max_replicas is None else min(wanted, cap.max_replicas)
     why = cap.message if cap.limited else scaling.message
-    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, why)
+    limited = None
+    if queue is not None:
+        replicas, limited, queue_why = limit_by_queue(spec, queue, per_replica, wanted, replicas, current, cap)
+        why = queue_why or why
+        kept = next((c for c in previous.get("conditions") or [] if c.get("type") == "ScalingLimited"), None)
+        if spec.scaling is not None and decision is None and kept is not None:
+            # No autoscaling decision this pass (a watch event): the last decision's condition stands, as
+            # ScalingActive's does, rather than flapping between passes.
+            limited = Condition("ScalingLimited", kept["status"], kept.get("reason", ""), kept.get("message", ""))
+    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, why, limited)
+
+
+def limit_by_queue(spec: ServiceSpec, queue: Admission, per_replica: int, wanted: int, replicas: int,
+                   current: int | None, cap: QuotaCap) -> tuple[int, Condition, str | None]:
+    """The autoscaler asks the ClusterQueue only for what it can admit: a scale-up stops there. It never
+    scales down for the queue (a replica Kueue holds, preempted or not, waits in the queue) and never
+    below minReplicas; a fixed size is Kueue's to queue. (replicas, ScalingLimited, the event's why)."""
+    rq = f"; {cap.message}" if cap.max_replicas is not None else ""
+    if spec.scaling is None:
+        return replicas, Condition("ScalingLimited", "False", "FixedReplicas",
+                                   f"spec.replicas is {spec.replicas}: Kueue queues what its ClusterQueue cannot "
+                                   f"admit{rq}"), None
+    if queue.quota is None:
+        return replicas, Condition("ScalingLimited", "False", "QueueQuotaUnknown",
+                                   f"{queue.admitted.message}: no ClusterQueue numbers to bound scaling by{rq}"), None
+    qcap = queue_cap(queue.quota, queue.own_gpus, per_replica)
+    if qcap.max_replicas is None:
+        bound = replicas
+    else:
+        bound = min(replicas, max(qcap.max_replicas, spec.scaling.min_replicas, min(current or 0, wanted)))
+    if bound < wanted:
+        holds = "the ClusterQueue" if bound < replicas else "the ResourceQuota"
+        text = f"the autoscaler wants {wanted} replicas; {qcap.message}{rq}: held at {bound} ({holds} bound holds)"
+        return bound, Condition("ScalingLimited", "True", "QueueQuota" if bound < replicas else "GPUQuotaExceeded",
+                                text), text
+    return bound, Condition("ScalingLimited", "False", "WithinQueueQuota", f"{wanted} replicas wanted; {qcap.message}{rq}"), None
 
 
 def decide_replicas(spec: ServiceSpec, sizing: SizingPlan, current: int | None, engines: EngineReadings,

@@ -24,6 +24,11 @@ BUNDLED_MODELS = ("smollm2-135m-instruct",)
 MAX_GPU_COUNT = max(g.gpus_per_node for g in GPU_TYPES.values())
 # The Hub's repo id rules (ORG/NAME of letters, digits, '-', '_', '.'), then an optional @REVISION: a
 # branch, a tag or a commit sha. The CRD's CEL rule is the same pattern.
+# Kueue's opt-in labels, read from the InferenceService's own metadata (the one source of truth: there is
+# no spec field for them) and copied onto the Deployment or LeaderWorkerSet, where Kueue's integrations read them.
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+KUEUE_GATE = "kueue.x-k8s.io/admission"  # the scheduling gate Kueue's pod webhook puts on each pod it holds
 HF_URI = re.compile(r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$")
 CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
 
@@ -96,6 +101,9 @@ class ServiceSpec:
     api_key_secret: tuple[str, str] | None = None  # (name, key)
     token_secret: tuple[str, str] | None = None  # (name, key): HF_TOKEN for gated hf:// models
     cache: CacheSpec | None = None
+    # Kueue's labels on the InferenceService (plan/kueue.py): copied onto the workload it makes.
+    queue_name: str | None = None
+    priority_class: str | None = None
 
     @property
     def model_scheme(self) -> str:
@@ -230,6 +238,9 @@ def _parse(body: dict) -> ServiceSpec:
         secret = (_str(get("apiKeySecretRef.name"), "spec.apiKeySecretRef.name"),
                   _str(get("apiKeySecretRef.key"), "spec.apiKeySecretRef.key"))
     name = _str(meta.get("name"), "metadata.name")
+    own_labels = meta.get("labels") or {}
+    if not isinstance(own_labels, dict):
+        raise SpecError("metadata.labels must be an object")
     return ServiceSpec(
         name=name,
         namespace=_str(meta.get("namespace"), "metadata.namespace"),
@@ -252,6 +263,8 @@ def _parse(body: dict) -> ServiceSpec:
         api_key_secret=secret,
         token_secret=token_secret,
         cache=cache,
+        queue_name=own_labels.get(QUEUE_LABEL) or None,
+        priority_class=own_labels.get(PRIORITY_LABEL) or None,
     )
 
 

@@ -46,3 +46,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "tokenmill-operator.peering" -}}
 {{- if gt (int .Values.replicaCount) 1 }}true{{ end }}
 {{- end }}
+
+{{/* Kueue's read-only rules: rbac.kueue true, or "auto" (the default) when the API server serves Kueue's
+API at install time (discovery, as `helm install` sees it). */}}
+{{- define "tokenmill-operator.kueue" -}}
+{{- $v := toString .Values.rbac.kueue }}
+{{- if or (eq $v "true") (and (eq $v "auto") (.Capabilities.APIVersions.Has "kueue.x-k8s.io/v1beta2")) }}true{{ end }}
+{{- end }}
