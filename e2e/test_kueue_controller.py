@@ -173,7 +173,10 @@ def test_leader_worker_set_groups_are_admitted_whole(cluster: Cluster, queue: st
         assert {o["kind"] for o in wl["metadata"]["ownerReferences"]} == {"LeaderWorkerSet", "Pod"}
         assert [(s["name"], s["count"]) for s in wl["spec"]["podSets"]] == [("leader", 1), ("worker", 1)]
         assert admitted(wl) == (state[index] == [False, False])
-    assert gpu_usage(get(cluster, "clusterqueue", queue)) == (str(QUOTA), "0")
+    # Kueue writes the ClusterQueue's flavorsUsage after it admits (seen here: "0 in use" with the group's
+    # pods already ungated), so the usage is waited for, not read once.
+    wait_for(lambda: gpu_usage(get(cluster, "clusterqueue", queue)) == (str(QUOTA), "0"),
+             "the ClusterQueue counting the admitted group's GPUs")
 
 
 @pytest.fixture
