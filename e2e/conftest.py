@@ -35,6 +35,7 @@ from e2e_helpers import (
     OPERATOR_NAMESPACE,
     RELEASE,
     OperatorProcess,
+    apply,
     chart_operator_args,
     sa_kubeconfig,
 )
@@ -105,6 +106,19 @@ def kueue(cluster: Cluster) -> int:
     import kueue_controller
 
     return kueue_controller.start(cluster)
+
+
+@pytest.fixture
+def priorities(cluster: Cluster, namespace: str) -> Iterator[tuple[str, str]]:
+    """A low (100) and a high (1000) Kueue WorkloadPriorityClass named for the test's namespace."""
+    low, high = f"low-{namespace}", f"high-{namespace}"
+    for name, value in ((low, 100), (high, 1000)):
+        apply(cluster, {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+                        "metadata": {"name": name}, "value": value})
+    try:
+        yield low, high
+    finally:
+        cluster.kubectl("delete", "workloadpriorityclass", low, high, "--ignore-not-found", check=False)
 
 
 @pytest.fixture(scope="session")

@@ -227,18 +227,6 @@ def test_a_multi_node_replica_is_admitted_as_one_group(cluster: Cluster, queue: 
              "one group's pods all running, the other's all gated")
 
 
-@pytest.fixture
-def priorities(cluster: Cluster, namespace: str) -> Iterator[tuple[str, str]]:
-    low, high = f"low-{namespace}", f"high-{namespace}"
-    for name, value in ((low, 100), (high, 1000)):
-        apply(cluster, {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
-                        "metadata": {"name": name}, "value": value})
-    try:
-        yield low, high
-    finally:
-        cluster.kubectl("delete", "workloadpriorityclass", low, high, "--ignore-not-found", check=False)
-
-
 def test_high_priority_preempts_low_priority_and_both_statuses_say_so(
         cluster: Cluster, queue: str, namespace: str, priorities: tuple[str, str]) -> None:
     low, high = priorities

@@ -179,18 +179,6 @@ def test_leader_worker_set_groups_are_admitted_whole(cluster: Cluster, queue: st
              "the ClusterQueue counting the admitted group's GPUs")
 
 
-@pytest.fixture
-def priorities(cluster: Cluster, namespace: str) -> Iterator[tuple[str, str]]:
-    low, high = f"low-{namespace}", f"high-{namespace}"
-    for name, value in ((low, 100), (high, 1000)):
-        apply(cluster, {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
-                        "metadata": {"name": name}, "value": value})
-    try:
-        yield low, high
-    finally:
-        cluster.kubectl("delete", "workloadpriorityclass", low, high, "--ignore-not-found", check=False)
-
-
 def test_higher_priority_deployment_preempts_within_the_cluster_queue(
         cluster: Cluster, queue: str, namespace: str, priorities: tuple[str, str]) -> None:
     low, high = priorities

@@ -1,8 +1,8 @@
 """The C++ CPU kernels (kernels/csrc/): built on first use with torch.utils.cpp_extension, cached.
 
 The build goes to torch's extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR) under a
-name that hashes the sources, the compiler flags, torch's version and the CPU flags and tier that kernels/cpu_probe.py reports, so a
-second process loads the .so directly in milliseconds (no ninja run) and a machine with other CPU
+name that hashes the sources, the compiler flags, torch's version and the CPU flags and tier that
+kernels/cpu_probe.py reports, so a second process loads the .so directly in milliseconds (no ninja run) and a machine with other CPU
 features never loads a binary built with -march=native elsewhere. When the build fails (no C++
 compiler, no ninja) the failure is logged once and callers fall back to the torch reference; TOKENMILL_CPU_KERNELS=0 turns the kernels off on purpose.
 """
