@@ -26,6 +26,8 @@ _SOURCES = [
     _CSRC / "cpu_gemm.cpp",
     _CSRC / "cpu_linear_bf16.cpp",
     _CSRC / "cpu_linear_amx.cpp",
+    _CSRC / "cpu_dense_bf16.cpp",
+    _CSRC / "cpu_gemm_bf16.cpp",
     _CSRC / "cpu_topk.cpp",
     _CSRC / "cpu_decoder.cpp",
 ]

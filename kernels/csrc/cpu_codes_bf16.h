@@ -69,6 +69,25 @@ inline void store_cols(TOut* o, __m512 y, int64_t cols) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The codes of k = 2j, 2j + 1 for the panel's 16 columns as fp32 (lo, hi), straight from the code bytes
+// (no bf16 pairs to unpack again, as code_pairs would give): for the kernels that rebuild the weights
+// (linear_dequant_amx, cpu_gemm_bf16.cpp).
+template <bool Q4>
+inline void code_floats(const int8_t* codes, int64_t j, __m512& lo, __m512& hi) {
+  if (Q4) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  } else {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * 16))));
+    hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * 16))));
+  }
+}
+
+#endif
+
 // run(out pointer, scales pointer, mins pointer) with out bf16 or fp32 and the scales and mins fp32 or
 // fp16 (check_codes has checked that both have the same dtype): the kernels' four instantiations.
 template <typename F>

@@ -169,21 +169,6 @@ inline __m512i pair_interleave() {
   return _mm512_load_si512(idx);
 }
 
-// The codes of k = 2j, 2j + 1 for the panel's 16 columns as fp32 (lo, hi), straight from the code bytes
-// (no bf16 pairs to unpack again, as code_pairs would give).
-template <bool Q4>
-inline void code_floats(const int8_t* codes, int64_t j, __m512& lo, __m512& hi) {
-  if (Q4) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-  } else {
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * 16))));
-    hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * 16))));
-  }
-}
-
 // Panel p's B tiles for every block into bt[nb * 16]; zeros for a panel past the weight's last.
 template <bool Q4, typename S>
 void dequant_panel(__m512i* bt, int64_t p, int64_t panels, int64_t nb, const int8_t* codes, int64_t kb,
@@ -200,7 +185,7 @@ void dequant_panel(__m512i* bt, int64_t p, int64_t panels, int64_t nb, const int
     for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j) {
       // bf16(d c + m) for k = 2j and 2j + 1, then [lo 0..15 | hi 0..15] -> (lo i, hi i): a B tile's row.
       __m512 lo, hi;
-      code_floats<Q4>(cp, j, lo, hi);
+      tokenmill_cpu::code_floats<Q4>(cp, j, lo, hi);
       const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d, hi, mn), _mm512_fmadd_ps(d, lo, mn));
       bt[j] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both));
     }

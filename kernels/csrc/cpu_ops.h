@@ -1,4 +1,5 @@
-// The ops of cpu_layers.cpp, cpu_attention.cpp, cpu_linear_bf16.cpp and cpu_linear_amx.cpp as plain C++
+// The ops of cpu_layers.cpp, cpu_attention.cpp, cpu_linear_bf16.cpp, cpu_dense_bf16.cpp,
+// cpu_gemm_bf16.cpp and cpu_linear_amx.cpp as plain C++
 // calls, for cpu_decoder.cpp: it runs a step's decoder layers in one call without going back through
 // Python and the dispatcher between them. Same arguments and checks as the registered ops.
 #pragma once
@@ -19,6 +20,12 @@ void linear_codes_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& co
                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 void linear_codes_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
+void linear_dense_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias);
+void linear_dense_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias);
+void linear_codes_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 
