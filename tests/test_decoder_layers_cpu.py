@@ -1,10 +1,18 @@
 """engine/models/llama_cpu_decoder.py: a bf16 step's layers after the first in one C++ call give the Python layer loop's
-tokens and logprobs bit for bit, on the bundled model, at batch sizes that take each linear kernel."""
+tokens and logprobs bit for bit, on the bundled model, at batch sizes that take each linear kernel: from its
+integer codes (the GGUF conversion) and from dense bf16 panels (the same model stored in bf16)."""
 
 import pytest
 import torch
 from tokenmill.engine import LLM, SamplingParams
-from tokenmill.engine.layers.cpu_gemm_policy import bf16_codes_max_rows, bf16_codes_wanted, bf16_dot_supported
+from tokenmill.engine.layers.cpu_gemm_policy import (
+    bf16_codes_max_rows,
+    bf16_codes_wanted,
+    bf16_dot_supported,
+    dense_bf16_max_rows,
+    dense_bf16_supported,
+)
+from tokenmill.engine.layers.linear import Linear
 from tokenmill.engine.models import llama_cpu_decoder
 
 torch.set_num_threads(1)
@@ -57,5 +65,35 @@ def test_fused_layers_give_the_python_loops_tokens_and_logprobs(llm_bf16, batch,
         assert not calls
     if calls:  # some steps took the loop: the Python loop alone must give the same (with no loop calls)
         want, none = _generate(llm_bf16, prompts, False, monkeypatch)
+        assert not none
+        assert got == want
+
+
+@pytest.fixture(scope="module")
+def llm_dense(bundled_checkpoint):
+    """The bundled model stored in bf16: no integer codes, so every projection runs on dense bf16 panels
+    where the CPU has AVX-512 BF16 (oneDNN's prepacked weights elsewhere)."""
+    return LLM(model=str(bundled_checkpoint("bfloat16")), dtype="bfloat16", max_model_len=256, max_num_seqs=48,
+               num_kv_blocks=160, enable_prefix_caching=False)
+
+
+# 1 row and 6: decode tiles of 1 and 6 rows; 40 rows: past the codes kernels' 32 on AVX-512 BF16 without
+# AMX, where the dense kernel still takes the step (and on AMX, oneDNN from DENSE_AMX_MIN_ROWS: Python loop).
+@pytest.mark.parametrize("batch", [1, 6, 40])
+def test_fused_layers_on_dense_bf16_give_the_python_loops_tokens_and_logprobs(llm_dense, batch, monkeypatch) -> None:
+    model = llm_dense.engine.core.executor.worker.runner.model
+    linears = [m for m in model.model.modules() if isinstance(m, Linear)]
+    dense = dense_bf16_supported() and llama_cpu_decoder.fused_layers_enabled()
+    assert all((m.packed_cpu is not None and m.packed_cpu.dense is not None) == dense_bf16_supported() for m in linears)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (batch,), generator=g)]
+    got, calls = _generate(llm_dense, prompts, True, monkeypatch)
+    assert all(rows <= dense_bf16_max_rows() for rows in calls)
+    if dense and batch <= dense_bf16_max_rows():
+        assert batch in calls
+    elif not dense:
+        assert not calls
+    if calls:
+        want, none = _generate(llm_dense, prompts, False, monkeypatch)
         assert not none
         assert got == want

@@ -143,7 +143,7 @@ def test_prepacked_model_gives_the_same_logits(tmp_path, bundled_model_dir):
     x = torch.randn(5, config.hidden_size).to(torch.bfloat16)
     with torch.inference_mode():
         before = (model.compute_logits(hidden), model.model.layers[0].mlp(x))
-        model.prepack_linears()
+        model.prepack_linears(dense=False)  # oneDNN's layout (the dense bf16 panels: test_linear_dense_bf16.py)
         after = (model.compute_logits(hidden), model.model.layers[0].mlp(x))
     assert model.model.layers[0].mlp.down_proj.packed is not None and model.lm_head_packed is not None
     assert model.lm_head is not None and model.lm_head.packed is None  # one packed copy of the LM head

@@ -15,6 +15,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     amx_dequant_min_rows,
     bf16_codes_max_rows,
     bf16_codes_wanted,
+    bf16_gemm_min_rows,
     can_prepack,
 )
 from tokenmill.engine.layers.linear import Linear
@@ -53,6 +54,9 @@ def test_single_rows_run_from_the_codes_and_round_once_to_bf16() -> None:
     # Where the CPU has AMX, batches from amx_dequant_min_rows() multiply by the bf16 weights (rebuilt
     # from the codes), as oneDNN does past max_rows.
     bf16_weights_from = min(amx_dequant_min_rows() if amx_codes_supported() else max_rows + 1, max_rows + 1)
+    if max_rows >= 1 << 62:  # every batch on the codes (from bf16_gemm_min_rows the GEMM): fp32 weights
+        max_rows = bf16_gemm_min_rows() + 8
+        bf16_weights_from = max_rows + 3
     for rows in (*range(1, 10), bf16_weights_from - 1, bf16_weights_from, max_rows - 1, max_rows, max_rows + 1,
                  max_rows + 2):  # fmt: skip
         x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)

@@ -101,7 +101,7 @@ def _resident_weight_bytes(model: Any) -> int:
                 s = t.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
         elif isinstance(t, CpuPackedWeight):
-            for part in (t.fp32, t.codes, t.scales, t.mins):
+            for part in (t.fp32, t.codes, t.scales, t.mins, t.dense):
                 add(part)
 
     for module in model.modules():

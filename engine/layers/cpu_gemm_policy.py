@@ -149,6 +149,8 @@ def bf16_codes_max_rows() -> int:
         return int(env)
     if amx_codes_supported():
         return AMX_CODES_MAX_ROWS
+    if bf16_gemm_min_rows() <= BF16_DOT_MAX_ROWS:  # the GEMM on the codes takes every larger batch
+        return 1 << 62
     return BF16_DOT_MAX_ROWS if bf16_dot_supported() else BF16_CODES_MAX_ROWS
 
 
@@ -160,6 +162,58 @@ def bf16_logits_max_rows() -> int:
         return min(bf16_codes_max_rows(), AMX_LOGITS_MAX_ROWS)
     return bf16_codes_max_rows()
 
+
+
+# A bf16 weight without integer codes (a checkpoint stored in bf16 or fp16: nearly every Hub model) runs
+# on the dense bf16 kernel (cpu_dense_bf16.cpp: vdpbf16ps on weights prepacked in 16-column panels) where
+# the CPU has AVX-512 BF16, at every batch size: it beat oneDNN's prepacked weights at 1, 8 and 64 rows of
+# the 362M dense model's linears (docs/benchmark-log.md, "Dense bf16"), so such a weight keeps no other
+# copy. On AMX CPUs oneDNN's AMX GEMM takes batches from DENSE_AMX_MIN_ROWS rows (not measured: no AMX
+# machine was at hand when the kernel was written; the codes kernels' crossover to AMX was 4-16 rows).
+DENSE_AMX_MIN_ROWS = 16
+
+
+@functools.cache
+def dense_bf16_supported() -> bool:
+    """Whether bf16 weights without codes run on the dense bf16 kernel (a CPU, or capped tier, with AVX-512
+    BF16 and the kernel built). TOKENMILL_DENSE_BF16=0 keeps them on oneDNN, for A/B runs."""
+    if os.environ.get("TOKENMILL_DENSE_BF16", "1") == "0":
+        return False
+    ops = cpu_kernels.load()
+    return probe().at_least("avx512_bf16") and ops is not None and ops.linear_dense_bf16_supported()
+
+
+@functools.cache
+def dense_bf16_max_rows() -> int:
+    """Rows up to which a dense bf16 weight runs on the dense kernel; more go to oneDNN, which then keeps
+    its own packed copy. Unlimited (1 << 62) below AMX. TOKENMILL_DENSE_BF16_ROWS overrides it."""
+    env = os.environ.get("TOKENMILL_DENSE_BF16_ROWS")
+    if env is not None:
+        return int(env)
+    return DENSE_AMX_MIN_ROWS - 1 if probe().at_least("amx") else 1 << 62
+
+
+# The fp32-FMA GEMM (cpu_gemm_bf16.cpp: each panel group's weights widened to fp32 once per call, dense or
+# from codes) takes bf16 batches from BF16_GEMM_MIN_ROWS rows on CPUs whose fp32 FMAs outrun vdpbf16ps by
+# GEMM_FMA_ADVANTAGE or more (bf16_dot_fma_gflops, measured once per process). On the 2-vCPU Xeon without
+# AMX: 92.7 vs 185 GFLOP/s per core, and the 362M dense model's linears (8 layers, 1 thread, CPU time)
+# dot / GEMM: 16 rows 35.0 / 37.0 ms, 32 rows 65.0 / 53.1, 64 rows 123.9 / 86.3, 256 rows 481 / 310.
+BF16_GEMM_MIN_ROWS = 24
+GEMM_FMA_ADVANTAGE = 1.5
+
+
+@functools.cache
+def bf16_gemm_min_rows() -> int:
+    """Rows from which bf16 linears (dense or codes) run the fp32-FMA GEMM; 1 << 62 where it does not run
+    (no AVX-512 BF16, an AMX CPU, whose AMX kernels and oneDNN take large batches, or FMAs that do not
+    outrun vdpbf16ps). TOKENMILL_BF16_GEMM_ROWS overrides it, for A/B runs."""
+    env = os.environ.get("TOKENMILL_BF16_GEMM_ROWS")
+    if env is not None:
+        return int(env)
+    if not dense_bf16_supported() or probe().at_least("amx"):
+        return 1 << 62
+    dot, fma = cpu_kernels.load().bf16_dot_fma_gflops()
+    return BF16_GEMM_MIN_ROWS if fma >= GEMM_FMA_ADVANTAGE * dot else 1 << 62
 
 
 def bf16_codes_wanted(device: torch.device, dtype: torch.dtype) -> bool:

@@ -16,7 +16,9 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     amx_dequant_min_rows,
     bf16_codes_max_rows,
     bf16_dot_supported,
+    bf16_gemm_min_rows,
     cpu_linear_mode,
+    dense_bf16_max_rows,
 )
 from tokenmill.engine.layers.weight_codes import CodesCache, find_weight_codes, to_panels
 from tokenmill.kernels import cpu as cpu_kernels
@@ -42,13 +44,15 @@ class CpuPackedWeight:
     codes: torch.Tensor | None = None  # int8 [panels, in, 16], or uint8 nibbles [panels, in / 2, 16]
     scales: torch.Tensor | None = None  # [panels, in / 32, 16]: fp32, or fp16 for the bf16 kernels
     mins: torch.Tensor | None = None
+    dense: torch.Tensor | None = None  # bf16 [panels, in / 2, 32]: a bf16 weight as pack_bf16_weight lays it out
 
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias, fp32), in x's dtype (or out_dtype: fp32 logits from bf16 x on the
         bf16 dot kernel): fp32, or bf16 on codes for up to CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded
-        once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one."""
+        once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one;
+        dense bf16 panels the dense dot kernel; either from bf16_gemm_min_rows rows the fp32-FMA GEMM."""
         # A decode step makes ~120 of these calls: 2-D inputs skip the reshape and view (each ~1 us).
         flat = x.dim() == 2
         rows = x if flat else x.reshape(-1, x.shape[-1])
@@ -56,9 +60,14 @@ class CpuPackedWeight:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
         ops = cpu_kernels.load()
-        if x.dtype == torch.bfloat16 and self.codes is not None and bf16_dot_supported():
+        if self.dense is not None:
+            op = ops.linear_dense_gemm if rows.shape[0] >= bf16_gemm_min_rows() else ops.linear_dense_bf16
+            op(out, rows, self.dense, bias)
+        elif x.dtype == torch.bfloat16 and self.codes is not None and bf16_dot_supported():
             op = ops.linear_codes_bf16
-            if rows.shape[0] >= AMX_MIN_ROWS and amx_codes_supported():
+            if rows.shape[0] >= bf16_gemm_min_rows():
+                op = ops.linear_codes_gemm
+            elif rows.shape[0] >= AMX_MIN_ROWS and amx_codes_supported():
                 op = ops.linear_dequant_amx if rows.shape[0] >= amx_dequant_min_rows() else ops.linear_codes_amx
             op(out, rows, self.codes, self.scales, self.mins, bias)
         elif rows.dtype != out.dtype:  # fp32 logits of bf16 rows without the dot kernel: widen x
@@ -72,17 +81,22 @@ class CpuPackedWeight:
         return out if flat else out.view(*x.shape[:-1], self.out_features)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids [T] of the weight [T, in], rebuilt from the codes: the fp32 values it was loaded with."""
+        """Rows ids [T] of the weight [T, in], rebuilt from the codes: the fp32 values it was loaded with
+        (or, for a dense bf16 weight, its bf16 rows)."""
+        ids = ids if ids.dtype == torch.int64 else ids.long()
+        if self.dense is not None:
+            out = torch.empty(ids.shape[0], self.dense.shape[1] * 2, dtype=torch.bfloat16)
+            cpu_kernels.load().embedding_dense_bf16(out, ids, self.dense, self.out_features)
+            return out
         if self.codes.dtype != torch.int8:
             raise ValueError("embedding rows are read from int8 codes; this weight was packed as nibbles")
         out = torch.empty(ids.shape[0], self.codes.shape[1], dtype=torch.float32)
-        ids = ids if ids.dtype == torch.int64 else ids.long()
         cpu_kernels.load().embedding_q8(out, ids, self.codes, self.scales, self.mins, self.out_features)
         return out
 
     @property
     def nbytes(self) -> int:
-        parts = (self.fp32, self.codes, self.scales, self.mins)
+        parts = (self.fp32, self.codes, self.scales, self.mins, self.dense)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
@@ -122,6 +136,11 @@ def bf16_codes_weight(
     return packed
 
 
+def dense_bf16_weight(weight: torch.Tensor) -> CpuPackedWeight:
+    """A bf16 weight [out, in] in the dense bf16 kernel's panels (cpu_dense_bf16.cpp)."""
+    return CpuPackedWeight(weight.shape[0], dense=cpu_kernels.load().pack_bf16_weight(weight.detach()))
+
+
 def pack_cpu_weight(
     weight: torch.Tensor, blocks: bool | None = None, nibbles: bool = True, cache: CodesCache | None = None
 ) -> CpuPackedWeight:
@@ -157,6 +176,16 @@ class Linear(nn.Linear):
         if self.packed_cpu is not None:
             self.weight = None
 
+    def pack_dense(self) -> None:
+        """The dense bf16 kernel's panels for this bf16 weight (one without codes), with the fp32 bias the
+        kernel adds. Where that kernel takes every batch (dense_bf16_max_rows) the weight keeps no other
+        copy; else oneDNN's packed copy serves the larger batches."""
+        self.packed_cpu = dense_bf16_weight(self.weight)
+        self.bias_fp32 = None if self.bias is None else self.bias.detach().float().clone()
+        if dense_bf16_max_rows() < 1 << 62:
+            self.packed = prepack_weight(self.weight)
+        self.weight = None
+
     def attach_codes(self, cache: CodesCache | None = None, weight: torch.Tensor | None = None) -> bool:
         """Keep the integer-code form of this fp32 weight, if it has one, for a model cast to bf16 next
         (with the fp32 bias the kernel adds). weight: the fp32 value while a bf16 model streams in
@@ -189,7 +218,10 @@ class Linear(nn.Linear):
         if packed_cpu is not None:
             rows = x.numel() // x.shape[-1]
             if x.dtype == torch.bfloat16:
-                if rows <= bf16_codes_max_rows():
+                if packed_cpu.dense is not None:
+                    if rows <= dense_bf16_max_rows() or self.packed is None:
+                        return packed_cpu.linear(x, self.bias_fp32)
+                elif rows <= bf16_codes_max_rows():
                     return packed_cpu.linear(x, self.bias_fp32)
             elif self.weight is None or rows <= CPU_PACKED_MAX_ROWS:  # fp32
                 return packed_cpu.linear(x, self.bias)

@@ -31,12 +31,15 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     CPU_PACKED_MAX_ROWS,
     PREPACK_MIN_ROWS,
     bf16_logits_max_rows,
+    dense_bf16_max_rows,
+    dense_bf16_supported,
 )
 from tokenmill.engine.layers.layernorm import RMSNorm
 from tokenmill.engine.layers.linear import (
     CpuPackedWeight,
     Linear,
     bf16_codes_weight,
+    dense_bf16_weight,
     pack_cpu_weight,
     packed_linear,
     prepack_weight,
@@ -171,9 +174,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        # (KV pool and weights' identity, llama_cpu_decoder's weight list or None): built on the first step that
+        # (KV pool and weights' identity, llama_cpu_decoder's FusedLayers or None): built on the first step that
         # could use it.
-        self._fused: tuple[tuple, list[torch.Tensor] | None] | None = None
+        self._fused: tuple[tuple, llama_cpu_decoder.FusedLayers | None] | None = None
 
     def forward(
         self,
@@ -191,9 +194,10 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.for_positions(positions, hidden.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i == 1 and llama_cpu_decoder.step_fits(hidden, rope, attn_metadata):
-                weights = self._fused_weights(kv_caches)
-                if weights is not None:  # the rest of the layers in one C++ call
-                    hidden, residual = llama_cpu_decoder.run_layers(layer, weights, hidden, residual, rope, attn_metadata)
+                fused = self._fused_weights(kv_caches)
+                if fused is not None and hidden.shape[0] <= fused.max_rows:  # the rest of the layers in one C++ call
+                    hidden, residual = llama_cpu_decoder.run_layers(layer, fused.weights, hidden, residual, rope,
+                                                                    attn_metadata)
                     break
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
         if self.norm is None:
@@ -201,7 +205,7 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _fused_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
+    def _fused_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> llama_cpu_decoder.FusedLayers | None:
         """llama_cpu_decoder's weight list for layers 1.. (built once per KV pool), or None where it cannot run."""
         # A new KV pool or new projection weights (packing replaces them) make a new list.
         key = (id(kv_caches[0][0]) if kv_caches else None, id(self.layers[-1].mlp.down_proj.packed_cpu))
@@ -243,7 +247,10 @@ class LlamaForCausalLM(nn.Module):
         (last stage only; with TP every rank of the stage gets the gathered vocabulary)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.lm_head_packed_cpu
-        codes_rows = CPU_PACKED_MAX_ROWS if hidden.dtype == torch.float32 else bf16_logits_max_rows()
+        if hidden.dtype == torch.float32:
+            codes_rows = CPU_PACKED_MAX_ROWS
+        else:
+            codes_rows = dense_bf16_max_rows() if packed is not None and packed.dense is not None else bf16_logits_max_rows()
         if packed is not None and (weight is None or hidden.shape[0] <= codes_rows):
             local = packed.linear(hidden, out_dtype=torch.float32)
         elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
@@ -252,14 +259,31 @@ class LlamaForCausalLM(nn.Module):
             local = F.linear(hidden, weight).float()
         return tp_gather_vocab(local, self.par, self.config.vocab_size)
 
-    def prepack_linears(self) -> None:
-        """Swap every projection (and the LM head, tied or not) to oneDNN-prepacked weights (bf16 CPU)."""
+    def prepack_linears(self, dense: bool | None = None) -> None:
+        """Swap every projection (and the LM head, tied or not) to packed bf16 weights (bf16 CPU): those
+        without integer codes to the dense bf16 kernel's panels where it runs (`dense`, by default
+        cpu_gemm_policy.dense_bf16_supported), the rest to oneDNN's layout. A tied embedding whose LM head
+        is dense reads its rows from the panels (one copy of the matrix)."""
+        if dense is None:
+            dense = dense_bf16_supported()
         for module in self.model.modules():  # the decoder; the LM head is packed once, below
             if isinstance(module, Linear):
-                module.prepack()
+                if dense and module.packed_cpu is None and module.weight.dtype == torch.bfloat16:
+                    module.pack_dense()
+                else:
+                    module.prepack()
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head_packed = prepack_weight(weight)
+            if dense and self.lm_head_packed_cpu is None and weight.dtype == torch.bfloat16:
+                self.lm_head_packed_cpu = dense_bf16_weight(weight)
+                if dense_bf16_max_rows() < 1 << 62:
+                    self.lm_head_packed = prepack_weight(weight)
+                if self.lm_head is not None:
+                    self.lm_head.weight = None
+                elif self.par.tp_size == 1:
+                    self.model.embed_tokens.packed_cpu, self.model.embed_tokens.weight = self.lm_head_packed_cpu, None
+            else:
+                self.lm_head_packed = prepack_weight(weight)
 
     def attach_weight_codes(self, cache: CodesCache | None = None) -> None:
         """Before a cast of this fp32 model to bf16 on CPU: keep the integer codes of every projection

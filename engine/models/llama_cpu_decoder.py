@@ -1,5 +1,5 @@
 """A step's decoder layers after the first in one C++ call (kernels/csrc/cpu_decoder.cpp), for bf16
-models on the CPU whose projections run from their integer codes.
+models on the CPU whose projections run from their integer codes or from dense bf16 panels.
 
 Why: at batch 1 Python's share of the bundled model's forward was 5.97 of 20.4 ms (every kernel replaced by
 a no-op; docs/benchmark-log.md): ~300 op calls a step, each a module call, an allocation and the
@@ -11,6 +11,7 @@ TOKENMILL_FUSED_LAYERS=0 turns it off (A/B runs).
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 from tokenmill.engine.layers.attention import AttentionMetadata
@@ -20,6 +21,8 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     amx_dequant_min_rows,
     bf16_codes_max_rows,
     bf16_dot_supported,
+    bf16_gemm_min_rows,
+    dense_bf16_max_rows,
 )
 from tokenmill.engine.layers.linear import Linear
 from tokenmill.engine.layers.rotary_embedding import Rope
@@ -37,28 +40,46 @@ def fused_layers_enabled() -> bool:
     return ops is not None and hasattr(ops, "decoder_layers") and bf16_dot_supported()
 
 
+@dataclass(frozen=True, slots=True)
+class FusedLayers:
+    weights: list[torch.Tensor]  # cpu_decoder.cpp's flat list, 20 tensors per layer
+    max_rows: int  # the most rows a step may have: every projection's kernel takes them
+
+
 def _linear_parts(lin: Linear) -> list[torch.Tensor] | None:
+    """codes, scales, mins, bias of a projection on codes; for one on dense bf16 panels the panels in the
+    codes' place (cpu_decoder.cpp tells them apart by dtype) and empty scales and mins."""
     packed = lin.packed_cpu
-    if packed is None or packed.codes is None:
+    if packed is None or (packed.codes is None and packed.dense is None):
         return None
     bias = lin.bias_fp32 if lin.bias_fp32 is not None else torch.empty(0)
+    if packed.dense is not None:
+        return [packed.dense, torch.empty(0), torch.empty(0), bias]
     return [packed.codes, packed.scales, packed.mins, bias]
 
 
-def layer_weights(layers: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
-    """cpu_decoder.cpp's flat list for these layers (20 tensors each), or None when some layer cannot run
-    there (q/k norms, a projection without codes, norm weights that are not bf16)."""
+def _linear_max_rows(lin: Linear) -> int:
+    return dense_bf16_max_rows() if lin.packed_cpu.dense is not None else bf16_codes_max_rows()
+
+
+def layer_weights(layers: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedLayers | None:
+    """cpu_decoder.cpp's flat list for these layers (20 tensors each) and the rows it takes, or None when
+    some layer cannot run there (q/k norms, a projection on neither codes nor dense panels, norm weights
+    that are not bf16)."""
     flat: list[torch.Tensor] = []
+    max_rows = 1 << 62
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if attn.qk_norm or any(w.dtype != torch.bfloat16 for w in norms):
             return None
-        parts = [_linear_parts(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = [_linear_parts(lin) for lin in linears]
         if any(p is None for p in parts):
             return None
         flat += [n.detach() for n in norms] + [t for p in parts for t in p] + [k_cache, v_cache]
-    return flat
+        max_rows = min([max_rows] + [_linear_max_rows(lin) for lin in linears])
+    return FusedLayers(flat, max_rows)
 
 
 def run_layers(
@@ -83,6 +104,7 @@ def run_layers(
         max_pairs,
         AMX_MIN_ROWS if amx_codes_supported() else _NEVER,
         amx_dequant_min_rows(),
+        bf16_gemm_min_rows(),
     ]
     return cpu_kernels.load().decoder_layers(
         hidden,
@@ -102,12 +124,11 @@ def run_layers(
 
 
 def step_fits(hidden: torch.Tensor, rope: Rope, md: AttentionMetadata) -> bool:
-    """Whether this step's remaining layers can take the C++ loop: bf16 rows few enough for the codes
-    kernels, the full rotary tables, and attention the first layer cleared for the C++ kernel."""
+    """Whether this step's remaining layers can take the C++ loop: bf16 rows, the full rotary tables, and
+    attention the first layer cleared for the C++ kernel (the rows' limit is FusedLayers.max_rows)."""
     return (
         hidden.dtype == torch.bfloat16
         and hidden.device.type == "cpu"
-        and hidden.shape[0] <= bf16_codes_max_rows()
         and not rope.gathered
         and md.cpu_direct is not None
     )

@@ -1,0 +1,64 @@
+"""The engine on dense bf16 weights (a checkpoint stored in bf16, served in bf16): where the CPU has AVX-512
+BF16 every projection and the LM head run on the dense bf16 kernel's panels (kernels/csrc/cpu_dense_bf16.cpp)
+and keep no other copy of their weights. Parity: bf16 rounds every activation, so greedy tokens part from
+fp32's at near-ties (one such on these prompts at token 10); as in test_half_checkpoints.py, every prefix
+of a text is teacher-forced and the engine's next-token choices must agree with the fp32 engine's (which
+are transformers' in fp32) as often as transformers' own bf16 forward does, with a mean logprob error
+within 1.5x of its. Elsewhere the same checks run on oneDNN's or torch's bf16 linears.
+"""
+
+import pytest
+import torch
+from tokenmill.engine import LLM
+from tokenmill.engine.layers.cpu_gemm_policy import dense_bf16_max_rows, dense_bf16_supported
+from tokenmill.engine.layers.linear import Linear
+
+from tests.test_engine_generate import MAX_TOKENS, PROMPTS, run_tokens
+from tests.test_half_checkpoints import TEXT, _engine_next, _hf_logprobs
+from tests.tiny_models import make_tiny_model
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.core.executor.worker.runner.model
+
+
+# llama: a separate LM head; qwen2: q/k/v biases (the kernel adds the fp32 bias); llama3_rope: a tied
+# embedding, whose rows come from the LM head's panels.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3_rope"])
+def test_tiny_bf16_checkpoint_served_in_bf16_agrees_with_the_fp32_engine_as_transformers_does(
+        tmp_path, bundled_model_dir, arch) -> None:
+    model_dir = make_tiny_model(tmp_path, arch, tokenizer_dir=bundled_model_dir, dtype=torch.bfloat16)
+    kw = dict(model=str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=11)
+    fp32 = LLM(dtype="float32", **kw)
+    text_ids = fp32.get_tokenizer().encode(TEXT)
+    prefixes = [text_ids[:n] for n in range(4, len(text_ids))]
+    want = _engine_next(fp32, prefixes)
+    ids = [fp32.engine.tokenize(p) for p in PROMPTS]
+    del fp32
+    llm = LLM(dtype="bfloat16", **kw)
+    model = _model(llm)
+    linears = [m for m in model.model.modules() if isinstance(m, Linear)]
+    if dense_bf16_supported():
+        one_copy = dense_bf16_max_rows() >= 1 << 62  # below AMX: no oneDNN copy beside the panels
+        assert all(m.packed_cpu.dense is not None and m.weight is None for m in linears)
+        assert all((m.packed is None) == one_copy for m in linears)
+        assert model.lm_head_packed_cpu is not None and model.lm_head_packed_cpu.dense is not None
+        if arch == "llama3_rope":  # tied: the embedding reads the LM head's panels
+            assert model.model.embed_tokens.weight is None and model.model.embed_tokens.packed_cpu is not None
+    else:
+        assert all(m.packed_cpu is None for m in linears)
+    got = _engine_next(llm, prefixes)
+    exact, rounded = _hf_logprobs(model_dir, text_ids, torch.float32), _hf_logprobs(model_dir, text_ids, torch.bfloat16)
+    rows = torch.tensor([len(p) - 1 for p in prefixes])
+    hf_top1 = int((rounded[rows].argmax(-1) == exact[rows].argmax(-1)).sum())
+    hf_diff = [abs(float(exact[r, t] - rounded[r, t])) for r, a in zip(rows.tolist(), want, strict=True) for t in a]
+    our_top1 = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(want, got, strict=True))
+    our_diff = [abs(a[t] - b[t]) for a, b in zip(want, got, strict=True) for t in a.keys() & b.keys()]
+    hf_mean, our_mean = sum(hf_diff) / len(hf_diff), sum(our_diff) / len(our_diff)
+    print(f"\n{arch}: top-1 vs fp32 at {our_top1} of {len(prefixes)} (transformers bf16 {hf_top1}); "
+          f"mean |logprob diff| {our_mean:.4f} (transformers {hf_mean:.4f})")
+    assert our_top1 >= hf_top1 - 1 and our_mean <= 1.5 * hf_mean
+    # Free-running through chunked prompts (max_num_batched_tokens=11: steps of 1 to 11 rows, mixed
+    # prefill and decode) to the end, every KV block returned.
+    outs = run_tokens(llm, ids)
+    assert [len(o) for o in outs] == [MAX_TOKENS] * len(PROMPTS)
