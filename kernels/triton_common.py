@@ -48,6 +48,24 @@ def rne(x, INTERP_BF16: tl.constexpr):
 
 
 @triton.jit
+def kv_operand(x, q, KV_QUANT: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """A K or V tile as a dot operand beside q: 8-bit codes convert exactly (every int8 and fp8 value is a
+    bf16, fp16 and fp32 value); the interpreter's int8 -> bf16 cast is wrong, so it gets fp32 (mma upcasts)."""
+    if KV_QUANT:
+        x = x.to(tl.float32 if INTERP_BF16 else q.dtype)
+    return x
+
+
+@triton.jit
+def kv_column_scales(x, scale_ptr, off, t_mask, KV_QUANT: tl.constexpr):
+    """x [rows, keys] times each key's scale for an 8-bit cache (its fp32 sits ROW elements after the
+    previous row's: off / 4 in fp32 units), so scores and probabilities carry the scales, not the tiles."""
+    if KV_QUANT:
+        x = x * tl.load(scale_ptr + off // 4, mask=t_mask, other=0.0)[None, :]
+    return x
+
+
+@triton.jit
 def round_to_nearest_even(x):
     """fp32 x rounded to an integer, ties to even (|x| < 2^22): adding 1.5 * 2^23 leaves no fraction bits."""
     return (x + 12582912.0) - 12582912.0

@@ -17,6 +17,8 @@ from tokenmill.kernels.triton_common import (
     check_head_dim,
     interp_bf16,
     kv_cache_args,
+    kv_column_scales,
+    kv_operand,
     last_dim_contiguous,
     mma,
     rne,
@@ -101,13 +103,8 @@ def _prefill_kernel(
         block = tl.load(block_tables_ptr + seq * stride_bt_s + t // BLOCK_SIZE, mask=t_mask, other=0)
         off = block.to(tl.int64) * stride_b + (t % BLOCK_SIZE) * stride_s + kvh * ROW
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        if KV_QUANT:  # codes convert exactly (int8 and fp8 values are all bf16 / fp16 / fp32 values)
-            k = k.to(tl.float32 if INTERP_BF16 else q.dtype)  # the interpreter's int8 -> bf16 cast is wrong
-        s = mma(q, tl.trans(k), PRECISION, INTERP_BF16)
-        if KV_QUANT:
-            s = s * (tl.load(k_scale_ptr + off // 4, mask=t_mask, other=0.0) * scale)[None, :]
-        else:
-            s = s * scale
+        s = mma(q, tl.trans(kv_operand(k, q, KV_QUANT, INTERP_BF16)), PRECISION, INTERP_BF16)
+        s = kv_column_scales(s, k_scale_ptr, off, t_mask, KV_QUANT) * scale
         visible = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
         s = tl.where(visible, s, NEG_INF)
         # Key 0 is visible to every row, so m_new is finite from the first tile on.
@@ -116,11 +113,8 @@ def _prefill_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        if KV_QUANT:  # codes convert exactly (int8 and fp8 values are all bf16 / fp16 / fp32 values)
-            v = v.to(tl.float32 if INTERP_BF16 else q.dtype)  # the interpreter's int8 -> bf16 cast is wrong
-        pv = p
-        if KV_QUANT:
-            pv = p * tl.load(v_scale_ptr + off // 4, mask=t_mask, other=0.0)[None, :]
+        v = kv_operand(v, q, KV_QUANT, INTERP_BF16)
+        pv = kv_column_scales(p, v_scale_ptr, off, t_mask, KV_QUANT)
         acc = acc * alpha[:, None] + mma(rne(pv, INTERP_BF16).to(v.dtype), v, PRECISION, INTERP_BF16)
         m_i = m_new
 
