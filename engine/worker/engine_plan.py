@@ -78,7 +78,8 @@ def plan_engine(config: EngineConfig, revision: str | None = None, *, config_onl
     if config.enable_lora:
         lora_bytes = lora_memory.lora_slot_bytes(
             mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-            mc.intermediate_size, config.max_loras, config.max_lora_rank, dtype, tp, pp,
+            mc.intermediate_size, config.max_loras, config.max_lora_rank, lora_memory.lora_dtype(device_type, dtype),
+            tp, pp,
         )  # fmt: skip
     plan = EnginePlan(
         dataclasses.replace(config, model=str(path)), path, mc, device, dtype, max_model_len, kv_per_token,

@@ -72,6 +72,11 @@ class ModelRunner:
     ) -> tuple[list[int], list[TokenLogprobs | None], list[Request]]:
         """Run the step (rank 0: on every rank). Returns sampled tokens (and logprobs) for the sequences
         whose scheduled tokens reach their end; mid-prompt chunks sample nothing."""
+        if self.lora is not None and any(r.lora_request is not None for r, _ in scheduled):
+            # Sequences of one adapter side by side (base first): the grouped LoRA product then reads its
+            # rows as contiguous groups (layers/lora.py). The returned `reqs` follow this order.
+            order = sorted(range(len(scheduled)), key=lambda i: _lora_id(scheduled[i][0]))
+            scheduled, block_ids = [scheduled[i] for i in order], [block_ids[i] for i in order]
         step = self.prepare(scheduled, block_ids)
         par = self.par
         if par.world_size > 1:
@@ -121,8 +126,7 @@ class ModelRunner:
         last_token = query_start_loc[1:] - 1
         lora_ids, loras = np.zeros(0, dtype=np.int64), []
         if self.lora is not None and any(r.lora_request is not None for r, _ in scheduled):
-            lora_ids = np.fromiter((0 if r.lora_request is None else r.lora_request.lora_int_id for r, _ in scheduled),
-                                   dtype=np.int64, count=num_seqs)  # fmt: skip
+            lora_ids = np.fromiter((_lora_id(r) for r, _ in scheduled), dtype=np.int64, count=num_seqs)
             loras = list({r.lora_request.lora_int_id: r.lora_request for r, _ in scheduled if r.lora_request}.values())
         return StepInput(
             input_ids=input_ids,
@@ -178,3 +182,7 @@ class ModelRunner:
         if par.pp_size > 1 and par.tp_rank == 0:
             dist.send(logits, dst=0, group=par.world_group)
         return logits
+
+
+def _lora_id(req: Request) -> int:
+    return 0 if req.lora_request is None else req.lora_request.lora_int_id
