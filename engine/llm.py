@@ -31,6 +31,7 @@ class LLM:
         override_generation_config: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -47,6 +48,7 @@ class LLM:
                 seed=seed,
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
+                kv_events_config=kv_events_config,
             )
         )
 
@@ -108,6 +110,10 @@ class LLM:
 
     def reset_stats(self) -> None:
         self.engine.core.reset_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's LLM.reset_prefix_cache); False while requests hold blocks."""
+        return self.engine.core.reset_prefix_cache()
 
     def _run(
         self,

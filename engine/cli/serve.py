@@ -22,6 +22,8 @@ from tokenmill.engine.config import (
     DEFAULT_READINESS_STALL_S,
     DEFAULTS,
     EngineConfig,
+    kv_events_dict,
+    parse_kv_events_config,
 )
 from tokenmill.engine.frontend.generation_config import parse_override
 from tokenmill.engine.model.bundled import BUNDLED_MODEL
@@ -212,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs"
     )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv@POD@MODEL\"}' (also replay_endpoint, buffer_steps, "
+        "hwm, max_queue_size): BlockStored / BlockRemoved / AllBlocksCleared over ZeroMQ for KV-aware "
+        "routers such as llm-d's (docs/serving.md)",
+    )
     return p
 
 
@@ -259,6 +269,7 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
     try:
         source = parse_model_source(args.model, args.revision)
         args.override_generation_config = parse_override(args.override_generation_config)
+        args.kv_events_config = parse_kv_events_config(args.kv_events_config)
     except (ModelSourceError, ValueError) as e:
         parser.error(str(e))
     _resolve_nodes(args, env, parser)
@@ -314,6 +325,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         nnodes=args.nnodes,
         dist_port=args.dist_port,
         collective_timeout_s=args.collective_timeout,
+        kv_events_config=kv_events_dict(args.kv_events_config),
     )
 
 
