@@ -16,6 +16,7 @@ from tokenmill.operator.apply import apply_children
 from tokenmill.operator.children.desired import desired_children
 from tokenmill.operator.children.leaderworkerset import lws_name
 from tokenmill.operator.children.pod import DEFAULT_ENGINE_IMAGE
+from tokenmill.operator.children.router import RouterSettings
 from tokenmill.operator.observe.cluster import first_blocker, read_children
 from tokenmill.operator.observe.engine_metrics import Readings, query_prometheus, read_engines, scrape_pods
 from tokenmill.operator.observe.hub import HubCache
@@ -51,6 +52,7 @@ class OperatorConfig:
     stale_after: float = STALE_AFTER_SECONDS
     hf_endpoint: str | None = None  # HF_ENDPOINT for the engine pods and the operator's hub lookups
     hub: HubCache = field(default_factory=HubCache)
+    router: RouterSettings = field(default_factory=RouterSettings)  # images and ClusterRole of routers
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -123,7 +125,8 @@ def _reconcile(api, body: dict, config: OperatorConfig, autoscale: bool, now: fl
                              queue=queued)
 
     # The desired children, applied; then status.
-    desired = desired_children(spec, sized.plan, replicas.replicas, config.engine_image, config.hf_endpoint)
+    desired = desired_children(spec, sized.plan, replicas.replicas, config.engine_image, config.hf_endpoint,
+                               config.router)
     applied = apply_children(api, spec, desired, live, replicas.why, events)
     report = serving(spec, sized, live, previous, replicas, applied, measured, events, now, queued)
     return write_status(api, body, previous, report, now)

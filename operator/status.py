@@ -10,9 +10,12 @@ import logging
 from dataclasses import dataclass, field
 
 from tokenmill.operator.apply import Applied, Event
+from tokenmill.operator.children.httproute import gateway_endpoint, gateway_namespace
+from tokenmill.operator.children.inferencepool import router_name
 from tokenmill.operator.children.leaderworkerset import KIND as LWS_KIND
 from tokenmill.operator.children.leaderworkerset import LEADER, ROLE_LABEL
 from tokenmill.operator.children.meta import selector_string
+from tokenmill.operator.children.router import router_endpoint
 from tokenmill.operator.children.service import endpoint
 from tokenmill.operator.kube import KubeError, merge_patch
 from tokenmill.operator.observe.cluster import Live
@@ -23,6 +26,7 @@ from tokenmill.operator.plan.kueue import Admission
 from tokenmill.operator.plan.observations import HubModel
 from tokenmill.operator.plan.profiles import Sized
 from tokenmill.operator.plan.replicas import ReplicaPlan, target
+from tokenmill.operator.plan.routing import RouterState, routed_condition
 from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_replica
 from tokenmill.operator.plan.spec import ServiceSpec
 
@@ -149,6 +153,35 @@ def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decisi
     return out
 
 
+def router_state(spec: ServiceSpec, live: Live) -> RouterState | None:
+    """What the router looks like (plan/routing.py decides the Routed condition from it)."""
+    if spec.routing is None:
+        return None
+    r = live.router
+    deployment = r.objects.get("Deployment") or {}
+    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+    if spec.routing.gateway_name is None:
+        return RouterState("standalone", spec.name, ready, router_endpoint(spec))
+    gateway = f"{gateway_namespace(spec)}/{spec.routing.gateway_name}"
+    accepted = None
+    for parent in ((r.objects.get("HTTPRoute") or {}).get("status") or {}).get("parents") or []:
+        ref = parent.get("parentRef") or {}
+        if ref.get("name") == spec.routing.gateway_name:
+            for c in parent.get("conditions") or []:
+                if c.get("type") == "Accepted":
+                    accepted = (c.get("status", "Unknown"), c.get("message") or c.get("reason", ""))
+    return RouterState("gateway", spec.name, ready, gateway_endpoint(spec, r.gateway), gateway,
+                       r.gateway is not None, accepted)
+
+
+def routing_status(spec: ServiceSpec, state: RouterState) -> dict:
+    out = {"mode": state.mode, "inferencePool": spec.name, "endpointPicker": router_name(spec),
+           "readyPickers": state.ready_pods}
+    if state.mode == "gateway":
+        out["httpRoute"] = spec.name
+    return out
+
+
 def _status(spec: ServiceSpec, sized: Sized, live: Live, measured: dict | None, desired: int,
             workload: dict | None) -> dict:
     selector = selector_string(spec.name)
@@ -156,6 +189,14 @@ def _status(spec: ServiceSpec, sized: Sized, live: Live, measured: dict | None, 
         selector += f",{ROLE_LABEL}={LEADER}"  # the leaders: one per replica, for the scale subresource
     status = {"observedGeneration": spec.generation, "selector": selector, "endpoint": endpoint(spec),
               "sizing": sizing_status(spec, sized)}
+    state = router_state(spec, live)
+    if state is not None:
+        # The one URL clients use: the router's (the engine Service stays, unrouted, for direct access).
+        status["routing"] = routing_status(spec, state)
+        if state.endpoint is None:
+            del status["endpoint"]
+        else:
+            status["endpoint"] = state.endpoint
     if measured:
         status["sizing"]["measured"] = measured
     counts = (workload or {}).get("status") or {}
@@ -180,7 +221,7 @@ def held(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, blocker: t
     measured, _ = measurement(previous, sized.plan, spec.generation, {}, now)
     status = _status(spec, sized, live, measured, keep, live.workload)
     return Report(status, Facts(sized=sized.condition, blocker=blocker, rollout=rollout_from(live.workload, keep, live.pods),
-                                endpoint=status["endpoint"]))
+                                endpoint=status.get("endpoint", "")))
 
 
 def serving(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, replicas: ReplicaPlan, applied: Applied,
@@ -196,8 +237,14 @@ def serving(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, replica
     rollout = rollout_from(applied.workload, replicas.replicas, live.pods, floor, applied.spec_changed)
     kueue = {} if queue is None else {"admitted": queue.admitted, "scaling_limited": replicas.limited,
                                       "kueue_holding": queue.holding}
+    state = router_state(spec, live)
+    routed = {}
+    if state is not None:
+        condition, stall = routed_condition(state)
+        routed = {"routed": condition, "route_stall": stall}
     return Report(status, Facts(sized=sized.condition, rollout=rollout, quota=replicas.quota,
-                                scaling=replicas.scaling, endpoint=status["endpoint"], **kueue), events)
+                                scaling=replicas.scaling, endpoint=status.get("endpoint", ""), **kueue, **routed),
+                  events)
 
 
 def write_status(api, body: dict, previous: dict, report: Report, now: float) -> dict:
@@ -238,7 +285,8 @@ def merge_conditions(previous: list[dict] | None, new: list[Condition], generati
     return out
 
 
-PROGRESS_REASONS = {"Creating", "RollingOut", "WaitingForReplicas", "ScalingDown", "QueuedByKueue"}
+PROGRESS_REASONS = {"Creating", "RollingOut", "WaitingForReplicas", "ScalingDown", "QueuedByKueue",
+                    "RouterStarting", "WaitingForGateway"}
 # Admitted=False for these needs attention (a Warning event); waiting in the queue does not.
 KUEUE_BAD_REASONS = {"Preempted", "Evicted", "LocalQueueNotFound"}
 
@@ -256,7 +304,7 @@ def is_bad(cond: Condition) -> bool:
     if cond.type == "ScalingActive":
         return cond.status == "False" and cond.reason not in ("FixedReplicas", "NotSized", "WaitingForMetrics",
                                                               "NoReadyPods")
-    if cond.type == "Ready" and cond.reason in PROGRESS_REASONS:
+    if cond.type in ("Ready", "Routed") and cond.reason in PROGRESS_REASONS:
         return False  # on its way, not in trouble
     return cond.status == "False"  # Ready, Sized
 
