@@ -22,6 +22,7 @@ from tokenmill.operator.observe.engine_metrics import Readings, query_prometheus
 from tokenmill.operator.observe.hub import HubCache
 from tokenmill.operator.observe.hub_lookup import ask_hub
 from tokenmill.operator.observe.kueue import read_queue
+from tokenmill.operator.observe.router_metrics import read_router_queue
 from tokenmill.operator.plan.autoscaler import STALE_AFTER_SECONDS
 from tokenmill.operator.plan.kueue import (
     admission,
@@ -41,6 +42,7 @@ from tokenmill.operator.status import (
     recommendations,
     serving,
     write_status,
+    zero_state,
 )
 
 
@@ -78,6 +80,7 @@ def reconcile(
     now: float | None = None,
     scrape: Readings = scrape_pods,
     query_prometheus: Readings = query_prometheus,
+    read_held=read_router_queue,
 ) -> dict:
     """Bring one InferenceService's children and status in line; returns the status written."""
     meta = body.get("metadata") or {}
@@ -88,11 +91,12 @@ def reconcile(
         fresh = api.get("InferenceService", ns, name)
         if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
             return {}  # deleted, or replaced by a new object that has its own reconciles
-        return _reconcile(api, fresh, config, autoscale, time.time() if now is None else now, scrape, query_prometheus)
+        return _reconcile(api, fresh, config, autoscale, time.time() if now is None else now, scrape, query_prometheus,
+                          read_held)
 
 
 def _reconcile(api, body: dict, config: OperatorConfig, autoscale: bool, now: float, scrape: Readings,
-               query_prometheus: Readings) -> dict:
+               query_prometheus: Readings, read_held) -> dict:
     previous = own_status(body)
     try:
         spec = parse_inference_service(body)
@@ -117,12 +121,15 @@ def _reconcile(api, body: dict, config: OperatorConfig, autoscale: bool, now: fl
     queued = None if view is None else admission(spec, view, live.pods, gpus_per_replica(sized.plan),
                                                  workload_name_pattern(spec, lws_name(spec)), now)
     engines = read_engines(spec, live.pods, autoscale, config.metrics_timeout, scrape, query_prometheus)
+    if spec.routing is not None and spec.scaling is not None and autoscale:
+        held_requests, why = read_held(spec.name, live.router.pods, config.metrics_timeout)
+        engines = dataclasses.replace(engines, router_queue=held_requests, router_error=why)
     measured, events = measurement(previous, sized.plan, spec.generation, engines.measured, now)
     replicas = plan_replicas(spec, sized.plan, current=live.current, engines=engines, measured=measured,
                              previous=previous, history=recommendations(previous),
                              quotas=api.list("ResourceQuota", spec.namespace), pods=live.pods,
                              interval=config.interval, stale_after=config.stale_after, autoscale=autoscale, now=now,
-                             queue=queued)
+                             queue=queued, zero_state=zero_state(previous))
 
     # The desired children, applied; then status.
     desired = desired_children(spec, sized.plan, replicas.replicas, config.engine_image, config.hf_endpoint,

@@ -27,8 +27,10 @@ from tokenmill.operator.plan.observations import HubModel
 from tokenmill.operator.plan.profiles import Sized
 from tokenmill.operator.plan.replicas import ReplicaPlan, target
 from tokenmill.operator.plan.routing import RouterState, routed_condition
+from tokenmill.operator.plan.scale_to_zero import ZeroDecision, ZeroState, predicted_wake
 from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_replica
 from tokenmill.operator.plan.spec import ServiceSpec
+from tokenmill.operator.plan.startup import startup_timeout_seconds
 
 log = logging.getLogger("tokenmill.operator")
 
@@ -137,9 +139,28 @@ def recommendations(previous: dict) -> tuple[Recommendation, ...]:
     return tuple(sorted(out, key=lambda r: r.time))
 
 
+def zero_state(previous: dict) -> ZeroState:
+    """What status.scaling keeps for scale to zero (plan/scale_to_zero.py)."""
+    s = previous.get("scaling") or {}
+    wake = s.get("wake") or {}
+
+    def ts(text) -> float | None:
+        try:
+            return from_iso(text) if text else None
+        except (ValueError, TypeError):
+            return None  # a hand-edited status: start over rather than fail
+
+    tokens = s.get("promptTokens")
+    last = wake.get("lastSeconds")
+    return ZeroState(ts(s.get("lastActiveTime")), float(tokens) if isinstance(tokens, (int, float)) else None,
+                     ts(wake.get("requestedTime")), float(last) if isinstance(last, (int, float)) else None)
+
+
 def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decision: ScaleDecision | None,
-                   measured: dict | None, scaled_at: str | None) -> dict | None:
-    """status.scaling of an autoscaled service (None for a fixed size)."""
+                   measured: dict | None, scaled_at: str | None, zero: ZeroDecision | None = None,
+                   held: float | None = None, now: float = 0.0) -> dict | None:
+    """status.scaling of an autoscaled service (None for a fixed size); `zero` and `held` for scale to zero
+    and the router's queue (routed services)."""
     if spec.scaling is None:
         return None
     out = dict(previous.get("scaling") or {})
@@ -150,6 +171,24 @@ def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decisi
         out["recommendations"] = [{"time": iso(r.time), "replicas": r.replicas} for r in decision.history]
         if decision.queue_depth is not None:
             out["currentQueueDepth"] = decision.queue_depth
+    if held is not None:
+        out["routerQueueDepth"] = held
+    if spec.scaling.min_replicas == 0:
+        wake = dict(out.get("wake") or {})
+        if zero is not None:
+            st = zero.state
+            if st.last_active is not None:
+                out["lastActiveTime"] = iso(st.last_active)
+            if st.prompt_tokens is not None:
+                out["promptTokens"] = st.prompt_tokens
+            if st.wake_requested is not None:
+                wake["requestedTime"] = iso(st.wake_requested)
+            if zero.wake_seconds is not None:
+                wake["lastSeconds"] = round(zero.wake_seconds, 1)
+                wake["lastTime"] = iso(now)
+        budget = startup_timeout_seconds(spec, sizing)
+        predicted, source = predicted_wake(wake.get("lastSeconds"), (measured or {}).get("modelLoadSeconds"), budget)
+        out["wake"] = {**wake, "budgetSeconds": budget, "predictedSeconds": predicted, "predictedFrom": source}
     return out
 
 
@@ -230,7 +269,11 @@ def serving(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, replica
     Kueue's admission, for a service in a Kueue queue."""
     status = _status(spec, sized, live, measured, replicas.replicas, applied.workload)
     scaling = scaling_status(spec, sized.plan, previous, replicas.decision, measured,
-                             iso(now) if applied.scaled else None)
+                             iso(now) if applied.scaled else None, replicas.zero, replicas.held, now)
+    if replicas.zero is not None and replicas.zero.wake_seconds is not None:
+        wake = scaling["wake"]
+        events.append(("Normal", "Woke", f"the first replica was ready {wake['lastSeconds']}s after the held request "
+                       f"was seen (budget {wake['budgetSeconds']}s, the router's queue TTL)"))
     if scaling is not None:
         status["scaling"] = scaling
     floor = spec.scaling.min_replicas if spec.scaling is not None else None
@@ -242,6 +285,13 @@ def serving(spec: ServiceSpec, sized: Sized, live: Live, previous: dict, replica
     if state is not None:
         condition, stall = routed_condition(state)
         routed = {"routed": condition, "route_stall": stall}
+    if replicas.zero is not None:
+        routed["scaled_to_zero"] = replicas.zero.condition
+    elif spec.scaling is not None and spec.scaling.min_replicas == 0:
+        kept = next((c for c in previous.get("conditions") or [] if c.get("type") == "ScaledToZero"), None)
+        if kept is not None:  # no reading this pass (a watch event): the last one stands
+            routed["scaled_to_zero"] = Condition("ScaledToZero", kept["status"], kept.get("reason", ""),
+                                                 kept.get("message", ""))
     return Report(status, Facts(sized=sized.condition, rollout=rollout, quota=replicas.quota,
                                 scaling=replicas.scaling, endpoint=status.get("endpoint", ""), **kueue, **routed),
                   events)
@@ -297,7 +347,7 @@ def is_bad(cond: Condition) -> bool:
         return True
     if cond.type in ("Stalled", "QuotaLimited"):
         return cond.status == "True"
-    if cond.type in ("Reconciling", "ScalingLimited"):
+    if cond.type in ("Reconciling", "ScalingLimited", "ScaledToZero"):
         return False  # ScalingLimited: the queue's bound working as meant (as the HPA's condition)
     if cond.type == "Admitted":
         return cond.status == "False" and cond.reason in KUEUE_BAD_REASONS

@@ -118,6 +118,7 @@ class Facts:
     # spec.routing (plan/routing.py): Routed, and what stalls it (a Gateway that is missing or refuses).
     routed: Condition | None = None
     route_stall: tuple[str, str] | None = None
+    scaled_to_zero: Condition | None = None  # minReplicas 0 (plan/scale_to_zero.py)
 
 
 def compute_conditions(f: Facts) -> list[Condition]:
@@ -127,6 +128,8 @@ def compute_conditions(f: Facts) -> list[Condition]:
         out.append(f.scaling_limited or Condition("ScalingLimited", "False", "NotSized", "nothing to scale yet"))
     if f.routed is not None:
         out.append(f.routed)
+    if f.scaled_to_zero is not None:
+        out.append(f.scaled_to_zero)
     return out
 
 
@@ -173,7 +176,10 @@ def _core_conditions(f: Facts) -> list[Condition]:
         c["Ready"] = Condition("Ready", "False", progress[0], progress[1])
     else:
         c["Reconciling"] = Condition("Reconciling", "False", "Reconciled", "children match the spec")
-        if r.desired == 0:
+        if r.desired == 0 and f.scaled_to_zero is not None:
+            c["Ready"] = Condition("Ready", "True", "ScaledToZero",
+                                   f"0 replicas (idle): requests to {f.endpoint} wait in the router while one starts")
+        elif r.desired == 0:
             c["Ready"] = Condition("Ready", "True", "ScaledToZero", "0 replicas requested")
         else:
             scaling = " (scaling up)" if r.ready < r.desired else ""
