@@ -26,13 +26,25 @@ ROOT_HASH = hashlib.sha256(b"tokenmill prefix cache root").digest()
 BlockIdentity = tuple[bytes, tuple[int, ...], bytes]
 
 
+# Starts the LoRA field of a block's extra keys: no salt field can start so (its first 4 bytes are its
+# length, and a 4 GiB salt is refused long before it reaches the hash).
+_LORA_TAG = b"\xff\xff\xff\xff"
+
+
 def extra_keys(req: Request, block_index: int) -> bytes:
-    """Extra keys mixed into a block's hash: the cache salt, in the first block only (later blocks inherit
-    it through the chain). Length-prefixed, so no salt can run into the token bytes."""
-    if block_index != 0 or req.cache_salt is None:
+    """Extra keys mixed into a block's hash: the cache salt and the LoRA adapter, in the first block only
+    (later blocks inherit them through the chain). Length-prefixed, so no salt can run into the token bytes.
+    The adapter is keyed by its id, which is new for every load (lora_request.py): a prefix computed under
+    one adapter is never served to another, nor to the base model, nor to a reload of the same name."""
+    if block_index != 0 or (req.cache_salt is None and req.lora_request is None):
         return b""
-    salt = req.cache_salt.encode("utf-8")
-    return len(salt).to_bytes(4, "little") + salt
+    out = b""
+    if req.cache_salt is not None:
+        salt = req.cache_salt.encode("utf-8")
+        out = len(salt).to_bytes(4, "little") + salt
+    if req.lora_request is not None:
+        out += _LORA_TAG + req.lora_request.lora_int_id.to_bytes(8, "little")
+    return out
 
 
 _PACKERS: dict[int, struct.Struct] = {}  # block length -> compiled little-endian int64 packer
