@@ -27,8 +27,22 @@ class EngineConfig:
     dist_port: int = 0  # leader's torch.distributed rendezvous port; 0: a free port (one node only)
     # A collective that waits longer than this means a rank hangs: the step fails and the engine exits.
     collective_timeout_s: float = 60.0
+    # LoRA adapters (vLLM's flags; docs/engine.md, "LoRA adapters"): `max_loras` slots of rank up to
+    # `max_lora_rank` serve one step; `max_cpu_loras` adapters stay in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # vLLM's --kv-events-config as a dict (KVEventsConfig's fields); None: no KV-cache events
     kv_events_config: dict[str, Any] | None = None
+
+
+MAX_LORA_RANK = 512  # vLLM's largest
+
+
+def max_cpu_loras(c: EngineConfig) -> int:
+    """Adapters kept in host memory: max_cpu_loras, or max_loras when unset (vLLM's default)."""
+    return c.max_loras if c.max_cpu_loras is None else c.max_cpu_loras
 
 
 @dataclass(slots=True)
@@ -117,6 +131,16 @@ def check_engine_config(c: EngineConfig) -> None:
         raise ValueError(f"num_kv_blocks must be at least 1, got {c.num_kv_blocks}")
     if c.kv_cache_memory is not None and c.kv_cache_memory <= 0:
         raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {c.kv_cache_memory}")
+    if c.enable_lora:
+        if c.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {c.max_loras}")
+        if not 1 <= c.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {c.max_lora_rank}")
+        if c.max_cpu_loras is not None and c.max_cpu_loras < c.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({c.max_cpu_loras}) must be at least max_loras ({c.max_loras}): every adapter "
+                "in a slot is also kept in host memory"
+            )
     if c.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {c.dtype!r}")
     if parse_kv_events_config(c.kv_events_config) is not None and not c.enable_prefix_caching:

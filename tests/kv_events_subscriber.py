@@ -44,7 +44,8 @@ class KVEventState:
                     # cached first continues a chain whose parent may since have been evicted.
                     self.orphan_parents += 1
                 assert len(tokens) == len(hashes) * block_size and all(isinstance(t, int) for t in tokens)
-                assert (lora_id, lora_name, medium) == (None, None, "GPU")
+                assert medium == "GPU" and (lora_id is None) == (lora_name is None)
+                assert lora_id is None or (isinstance(lora_id, int) and isinstance(lora_name, str))
                 assert isinstance(extra_keys, list) and len(extra_keys) == len(hashes)
                 self.blocks.update(hashes)
                 self.stored.append(event)

@@ -19,8 +19,10 @@ from hypothesis.stateful import invariant, precondition, rule
 from tokenmill.engine.config import EngineConfig, check_engine_config, parse_kv_events_config
 from tokenmill.engine.core import EngineCoreRequest
 from tokenmill.engine.core.engine_core import EngineCore
-from tokenmill.engine.core.kv_cache_manager import encode_extra_keys
+from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.kv_events import build_events, encode_batch
+from tokenmill.engine.lora_request import LoRARequest
+from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
 
 from tests.kv_events_subscriber import KVEventState, KVEventSubscriber
@@ -76,10 +78,19 @@ def test_serve_refuses_a_bad_kv_events_config_before_starting(capsys) -> None:
     assert "hwm must be a positive integer" in capsys.readouterr().err
 
 
-def test_extra_key_slots_cannot_stand_in_for_each_other() -> None:
-    # An empty slot and an empty string differ, and a value cannot spill into the next slot.
-    assert encode_extra_keys(None) == b""
-    assert len({encode_extra_keys(k) for k in [(None,), ("",), ("a",), ("a", None), (None, "a"), ("a\x00",)]}) == 6
+def test_a_stored_event_names_the_adapter_and_carries_the_keys_its_hash_covers() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_kv_cache_events=True)
+    lora = LoRARequest("sql", 7, "/adapters/sql")
+    req = Request("r", 0, list(range(9)), 9, SamplingParams(), 0.0, cache_salt="t", lora_request=lora)
+    assert kv.allocate_slots(req, 9)
+    req.num_computed_tokens = 9
+    kv.cache_full_blocks(req)
+    state = KVEventState()
+    state.apply(encode_batch(time.time(), build_events(kv.take_events(), kv.block_size)))
+    [event] = state.stored
+    assert event[1] == kv.block_hashes(req, 2) and event[2] is None and event[3] == list(range(8))
+    # lora_id, medium, lora_name; extra keys: the first block's (adapter id, salt), none on the second
+    assert event[5:9] == [7, "GPU", "sql", [[7, "t"], None]]
 
 
 # ---- the block manager's records, encoded as the publisher encodes them ---------------------------

@@ -16,6 +16,7 @@ from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.kv_events import make_publisher
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.executor.executor import Executor
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.request import Request
 from tokenmill.engine.structured_output.manager import StructuredOutputManager
 from tokenmill.engine.worker.engine_plan import check_kv_pool, plan_engine
@@ -68,6 +69,9 @@ class EngineCore:
             kv_bytes_per_token=plan.kv_bytes_per_token,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+            lora_slot_bytes=plan.lora_slot_bytes,
             startup_seconds=dict(timer.phases),
         )
         logger.info(self.capacity.describe())
@@ -99,6 +103,8 @@ class EngineCore:
             raise ValueError(f"token ids in logit_bias/stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
         if self.scheduler.has_request(req.request_id) or self.structured_outputs.has_request(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         # Choice i of a seeded request draws from seed + i (the sampler makes its generator), so n > 1
         # with a seed gives n different, reproducible samples.
         seqs = [
@@ -111,6 +117,7 @@ class EngineCore:
                 arrival_time=req.arrival_time,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                lora_request=req.lora_request,
                 eos_token_ids=self.eos_token_ids,
             )
             for i in range(p.n)
@@ -120,6 +127,17 @@ class EngineCore:
             self.structured_outputs.submit(seqs)  # enters the scheduler once its grammar is compiled
         else:
             self.scheduler.add_request(seqs[0])
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read an adapter into rank 0's host cache (a hit when it is there): its files and tensors are
+        checked against the model now, so a broken adapter fails its request with the reason (a
+        ValueError: 400), never a step. The other ranks read their shards when a step first names it."""
+        if not self.config.enable_lora:
+            raise ValueError(
+                f"the request names LoRA adapter {lora.lora_name!r}, but this engine serves no adapters; "
+                "start it with --enable-lora"
+            )
+        self.executor.add_lora(lora)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -28,8 +28,8 @@ from tokenmill.engine.request import Request
 ROOT_HASH = hashlib.sha256(b"tokenmill prefix cache root").digest()
 
 # What a block's key covers beside its tokens and parent, as fixed slots (None: empty), or None when every
-# slot is empty (the common case). Today one slot: the cache salt.
-ExtraKeys = tuple[str | None, ...] | None
+# slot is empty (the common case): (cache salt, LoRA adapter id).
+ExtraKeys = tuple[str | None, int | None] | None
 # (parent key, the block's tokens, extra keys): what a cached block holds, checked on every hit.
 BlockIdentity = tuple[bytes, tuple[int, ...], ExtraKeys]
 
@@ -41,27 +41,34 @@ BlockIdentity = tuple[bytes, tuple[int, ...], ExtraKeys]
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 
 
+# Starts the LoRA field of a block's extra keys: no salt field can start so (its first 4 bytes are its
+# length, and a 4 GiB salt is refused long before it reaches the hash).
+_LORA_TAG = b"\xff\xff\xff\xff"
+
+
 def extra_keys(req: Request, block_index: int) -> ExtraKeys:
     """The one place a block's extra keys are chosen: its hash covers them (encode_extra_keys) and its
-    BlockStored event carries them. Slots in vLLM's order; today the cache salt, in the first block only
-    (later blocks inherit it through the chain). A new key (a LoRA adapter) is a new slot here."""
-    if block_index != 0 or req.cache_salt is None:
+    BlockStored event carries them (kv_events.py). Slots (cache salt, LoRA adapter id), in the first block
+    only (later blocks inherit them through the chain). The adapter is keyed by its id, which is new for
+    every load (lora_request.py): a prefix computed under one adapter is never served to another, nor to
+    the base model, nor to a reload of the same name."""
+    if block_index != 0 or (req.cache_salt is None and req.lora_request is None):
         return None
-    return (req.cache_salt,)
+    return (req.cache_salt, None if req.lora_request is None else req.lora_request.lora_int_id)
 
 
 def encode_extra_keys(keys: ExtraKeys) -> bytes:
-    """The bytes a block's hash covers for its extra keys: each slot length-prefixed (an empty slot as
-    0xFFFFFFFF), so no value can run into the token bytes or into another slot, nor stand in for one."""
+    """The bytes a block's hash covers for its extra keys: the salt length-prefixed, so it cannot run into
+    the token bytes; the adapter id after a tag no salt can start with."""
     if keys is None:
         return b""
+    salt, lora_int_id = keys
     out = b""
-    for key in keys:
-        if key is None:
-            out += b"\xff\xff\xff\xff"
-        else:
-            raw = key.encode("utf-8")
-            out += len(raw).to_bytes(4, "little") + raw
+    if salt is not None:
+        raw = salt.encode("utf-8")
+        out = len(raw).to_bytes(4, "little") + raw
+    if lora_int_id is not None:
+        out += _LORA_TAG + lora_int_id.to_bytes(8, "little")
     return out
 
 

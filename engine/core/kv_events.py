@@ -14,9 +14,10 @@ and tag), in msgpack:
 Block hashes are the prefix cache's own keys (kv_cache_manager.py: 32-byte chained SHA-256 digests, sent
 as msgpack bin, as vLLM sends its sha256 keys); parent_block_hash is None for a chain's first block;
 medium is "GPU" (vLLM's name for the engine's own KV pool, whatever the device); extra_keys holds, per
-block, the tuple of keys beside the tokens that its hash covers (the cache salt on the first block) or
-None. lora_id / lora_name are None until adapters exist. vLLM's group_idx (hybrid models' KV groups) is
-left out, as omit_defaults leaves it out of a vLLM event without one: the engine has one KV group.
+block, the tuple of keys beside the tokens that its hash covers (on a chain's first block: the LoRA
+adapter's id, then the cache salt) or None; lora_id / lora_name name the request's adapter (None for
+the base model). vLLM's group_idx (hybrid models' KV groups) is left out, as omit_defaults leaves it
+out of a vLLM event without one: the engine has one KV group.
 
 Replay (vLLM's): a ROUTER socket at replay_endpoint; a client sends [b"", first sequence number wanted
 (8 bytes, big-endian)] and gets [b"", seq, payload] for every batch still buffered from there, then
@@ -37,6 +38,7 @@ from itertools import count
 import msgpack
 from tokenmill.engine.config import KVEventsConfig
 from tokenmill.engine.core.kv_cache_manager import CLEARED, REMOVED, STORED, extra_keys
+from tokenmill.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,14 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay
 SHUTDOWN_TIMEOUT_S = 1.0  # how long shutdown waits for queued batches to go out
 
 
-def event_extra_keys(keys: tuple[str | None, ...] | None) -> tuple[str, ...] | None:
-    """A block's extra keys as vLLM publishes them: the keys present, in order; None when there are none."""
+def event_extra_keys(req: Request, block_index: int) -> tuple[int | str, ...] | None:
+    """A block's extra keys as its BlockStored carries them: what its hash covers beside the tokens
+    (kv_cache_manager.extra_keys), in vLLM's order (adapter, then cache salt); None when nothing."""
+    keys = extra_keys(req, block_index)
     if keys is None:
         return None
-    present = tuple(k for k in keys if k is not None)
-    return present or None
+    salt, lora_int_id = keys
+    return tuple(k for k in (lora_int_id, salt) if k is not None)
 
 
 def build_events(records: list[tuple], block_size: int) -> list[list]:
@@ -75,8 +79,10 @@ def build_events(records: list[tuple], block_size: int) -> list[list]:
             hashes = req.block_hashes[first:end]
             parent = req.block_hashes[first - 1] if first else None
             tokens = req.token_ids[first * block_size : end * block_size]
-            keys = [event_extra_keys(extra_keys(req, i)) for i in range(first, end)]
-            events.append(["BlockStored", hashes, parent, tokens, block_size, None, MEDIUM_GPU, None, keys])
+            keys = [event_extra_keys(req, i) for i in range(first, end)]
+            lora = req.lora_request
+            lora_id, lora_name = (None, None) if lora is None else (lora.lora_int_id, lora.lora_name)
+            events.append(["BlockStored", hashes, parent, tokens, block_size, lora_id, MEDIUM_GPU, lora_name, keys])
         elif kind == CLEARED:
             events.append(["AllBlocksCleared"])
         else:

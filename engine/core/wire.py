@@ -10,6 +10,7 @@ from typing import Any
 
 import msgpack
 from tokenmill.engine.core import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.sampling_params import SamplingParams
 
 # API process -> core. UTILITY: (UTILITY, call id, method, args), a call of one of EngineCore's
@@ -30,6 +31,10 @@ _STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
 
 
 
+def _lora_fields(lora: LoRARequest) -> tuple[str, int, str]:
+    return (lora.lora_name, lora.lora_int_id, lora.lora_path)
+
+
 # ---- wire format ---------------------------------------------------------------------------------
 def encode(msg: tuple) -> bytes:
     kind = msg[0]
@@ -42,6 +47,7 @@ def encode(msg: tuple) -> bytes:
             r.arrival_time,
             r.priority,
             r.cache_salt,
+            None if r.lora_request is None else list(_lora_fields(r.lora_request)),
         ]
         return msgpack.packb([ADD, body])
     if kind == OUTPUTS:
@@ -58,8 +64,9 @@ def decode(buf: bytes) -> tuple:
     msg = msgpack.unpackb(buf, strict_map_key=False)
     kind = msg[0]
     if kind == ADD:
-        rid, ids, params, arrival, priority, salt = msg[1]
-        return (ADD, EngineCoreRequest(rid, ids, SamplingParams.from_dict(params), arrival, priority, salt))
+        rid, ids, params, arrival, priority, salt, lora = msg[1]
+        lora_request = None if lora is None else LoRARequest(*lora)
+        return (ADD, EngineCoreRequest(rid, ids, SamplingParams.from_dict(params), arrival, priority, salt, lora_request))
     if kind == OUTPUTS:
         outputs = [EngineCoreOutput(*fields) for fields in msg[1]]
         for o in outputs:
