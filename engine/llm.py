@@ -36,6 +36,7 @@ class LLM:
         max_loras: int = DEFAULTS.max_loras,
         max_lora_rank: int = DEFAULTS.max_lora_rank,
         max_cpu_loras: int | None = None,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -56,6 +57,7 @@ class LLM:
                 max_loras=max_loras,
                 max_lora_rank=max_lora_rank,
                 max_cpu_loras=max_cpu_loras,
+                kv_events_config=kv_events_config,
             )
         )
 
@@ -119,6 +121,10 @@ class LLM:
 
     def reset_stats(self) -> None:
         self.engine.core.reset_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's LLM.reset_prefix_cache); False while requests hold blocks."""
+        return self.engine.core.reset_prefix_cache()
 
     def _run(
         self,

@@ -282,7 +282,7 @@ def test_scale_to_zero_needs_routing_in_the_crd_and_the_parser(spec_schema):
     with pytest.raises(SpecError, match=re.escape(SCALE_TO_ZERO_NEEDS_ROUTING)):
         parse_inference_service(obj)
     obj["spec"]["routing"] = {"enabled": False}
-    with pytest.raises(SpecError, match="needs spec.routing.enabled: true"):
+    with pytest.raises(SpecError, match=re.escape("needs spec.routing.enabled: true")):
         parse_inference_service(obj)
     obj["spec"]["scaling"]["minReplicas"] = 1
     assert parse_inference_service(obj).routing is None  # routing off: no router

@@ -22,6 +22,8 @@ from tokenmill.engine.config import (
     DEFAULT_READINESS_STALL_S,
     DEFAULTS,
     EngineConfig,
+    kv_events_dict,
+    parse_kv_events_config,
 )
 from tokenmill.engine.frontend.generation_config import parse_override
 from tokenmill.engine.model.bundled import BUNDLED_MODEL
@@ -233,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv@POD@MODEL\"}' (also replay_endpoint, buffer_steps, "
+        "hwm, max_queue_size): BlockStored / BlockRemoved / AllBlocksCleared over ZeroMQ for KV-aware "
+        "routers such as llm-d's (docs/serving.md)",
+    )
     return p
 
 
@@ -280,6 +290,7 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
     try:
         source = parse_model_source(args.model, args.revision)
         args.override_generation_config = parse_override(args.override_generation_config)
+        args.kv_events_config = parse_kv_events_config(args.kv_events_config)
     except (ModelSourceError, ValueError) as e:
         parser.error(str(e))
     _resolve_nodes(args, env, parser)
@@ -363,6 +374,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        kv_events_config=kv_events_dict(args.kv_events_config),
     )
 
 

@@ -18,6 +18,7 @@ deadlock) is as stalled as a frozen one. That costs nothing per step: the messag
 
 import asyncio
 import copy
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -25,7 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.core import EngineCoreRequest
-from tokenmill.engine.core.client import EngineDeadError, EngineInfo, RejectedRequest, StepOutputs
+from tokenmill.engine.core.client import (
+    EngineDeadError,
+    EngineInfo,
+    RejectedRequest,
+    StepOutputs,
+    UtilityResult,
+)
 from tokenmill.engine.frontend.output_processor import OutputProcessor, merge_delta
 from tokenmill.engine.frontend.tokenizer_pool import TokenizerPool
 from tokenmill.engine.lora_request import LoRARequest
@@ -111,6 +118,8 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         # When the core last showed progress: a step's outputs arrived, or it was handed work while idle.
         self._last_progress = time.monotonic()
+        self._utility_calls: dict[int, asyncio.Future] = {}  # call id -> its answer (call_utility)
+        self._call_ids = itertools.count()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -279,6 +288,25 @@ class AsyncLLM:
             self.client.abort_requests(ids)
         return len(ids)
 
+    # ---- calls into the core --------------------------------------------------------------------
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run one of the engine core's utility methods (core/wire.py's UTILITY_METHODS) between two of
+        its steps; its result, or RuntimeError with the core's message."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        try:
+            self.client.call_utility(call_id, method, list(args))
+            return await future
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (nothing changed) while requests hold blocks."""
+        return bool(await self.call_utility("reset_prefix_cache"))
+
     # ---- the output loop -----------------------------------------------------------------------
     async def _output_loop(self) -> None:
         try:
@@ -286,6 +314,8 @@ class AsyncLLM:
                 item = await self.client.get_output()
                 if isinstance(item, RejectedRequest):
                     self._reject(item)
+                elif isinstance(item, UtilityResult):
+                    self._utility_done(item)
                 else:
                     self._process_step(item)
         except asyncio.CancelledError:
@@ -295,6 +325,15 @@ class AsyncLLM:
         except Exception as e:
             logger.exception("processing engine outputs failed")
             self._fail_all(EngineDeadError(f"processing engine outputs failed: {type(e).__name__}: {e}"))
+
+    def _utility_done(self, item: UtilityResult) -> None:
+        future = self._utility_calls.get(item.call_id)
+        if future is None or future.done():  # its caller went away
+            return
+        if item.ok:
+            future.set_result(item.value)
+        else:
+            future.set_exception(RuntimeError(item.value))
 
     def _reject(self, item: RejectedRequest) -> None:
         state = self._states.pop(item.request_id, None)
@@ -356,5 +395,8 @@ class AsyncLLM:
             state.queue.put_nowait(err)
             self.processor.abort_request(rid)
         self._states.clear()
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(err)
         if self.on_dead is not None:
             self.on_dead(err)

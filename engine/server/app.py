@@ -54,7 +54,7 @@ class AuthMiddleware:
     def _protected(self, path: str) -> bool:
         return (
             path.startswith("/v1/")
-            or path in ("/tokenize", "/detokenize")
+            or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
             or (path == "/metrics" and self.state.require_auth_for_metrics)
         )
 
@@ -186,6 +186,18 @@ def build_app(
     @app.get("/live")
     async def live() -> Response:
         return liveness(state, health_cfg)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        """vLLM's endpoint: forget every cached KV block (an AllBlocksCleared KV event). As in vLLM, only
+        while no request holds blocks; otherwise a 409 and nothing changes."""
+        engine = state.ready_engine()
+        if not await engine.reset_prefix_cache():
+            raise OpenAIError(
+                409,
+                "the prefix cache was not reset: running requests hold KV blocks; retry when the engine is idle",
+            )
+        return {"reset": True}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -124,7 +124,8 @@ def desired_router_deployment(spec: ServiceSpec, config: dict, epp_image: str, e
     the picker nor Envoy reloads its file)."""
     standalone = spec.routing.gateway_name is None
     digest = hashlib.sha256(json.dumps(config["data"], sort_keys=True).encode()).hexdigest()[:16]
-    labels = {**router_selector(spec), "app.kubernetes.io/name": "tokenmill-router",
+    # spec.template.labels (team, cost centre) go on every pod of the service, the router's too.
+    labels = {**(spec.template.get("labels") or {}), **router_selector(spec), "app.kubernetes.io/name": "tokenmill-router",
               "app.kubernetes.io/instance": spec.name, "app.kubernetes.io/component": "router",
               MANAGED_BY: OPERATOR_NAME}
     containers = [_picker_container(spec, epp_image)]
