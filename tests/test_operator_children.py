@@ -4,11 +4,12 @@ import pytest
 from tokenmill.operator.apply import differs
 from tokenmill.operator.children.deployment import desired_deployment
 from tokenmill.operator.children.pdb import desired_pdb
-from tokenmill.operator.children.pod import engine_args, startup_timeout_seconds
+from tokenmill.operator.children.pod import engine_args
 from tokenmill.operator.children.service import desired_service, endpoint
 from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
 from tokenmill.operator.plan.sizing import plan
 from tokenmill.operator.plan.spec import SpecError, parse_inference_service
+from tokenmill.operator.plan.startup import startup_timeout_seconds
 
 
 def isvc(spec: dict, name: str = "chat") -> dict:

@@ -201,7 +201,7 @@ def full_object() -> dict:
                        "startupTimeoutSeconds": 1200},
             "resources": {"gpu": {"type": "nvidia-l4", "count": 1}, "cpu": "8", "memory": "40Gi"},
             "scaling": {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 6, "scaleUpStabilizationSeconds": 30,
-                        "scaleDownStabilizationSeconds": 600,
+                        "scaleDownStabilizationSeconds": 600, "idleSeconds": 900,
                         "metrics": {"source": "prometheus", "url": "http://prometheus.monitoring:9090",
                                     "query": "sum(vllm:num_requests_waiting{namespace=\"$namespace\"})"}},
             "template": {"image": "registry.example/tokenmill:1", "imagePullPolicy": "IfNotPresent",
@@ -210,6 +210,7 @@ def full_object() -> dict:
                          "priorityClassName": "inference", "serviceAccountName": "engine", "runtimeClassName": "nvidia",
                          "annotations": {"a": "b"}, "labels": {"team": "a"}, "env": [{"name": "X", "value": "1"}]},
             "apiKeySecretRef": {"name": "chat-keys", "key": "api-key"},
+            "routing": {"enabled": True, "gateway": {"name": "inference-gateway", "namespace": "gateways"}},
         },
     }
 
@@ -241,7 +242,8 @@ def test_every_schema_field_is_read_by_the_parser(spec_schema):
     spec = parse_inference_service(obj)
     assert spec.scaling.prometheus_query and spec.engine.max_model_len == 8192 and spec.gpu_count == 1
     assert spec.token_secret == ("hf-token", "HF_TOKEN") and spec.cache.storage_class == "fast-rwx"
-    assert spec.engine.kv_cache_dtype == "int8"
+    assert spec.routing.gateway_name == "inference-gateway" and spec.routing.gateway_namespace == "gateways"
+    assert spec.scaling.idle_seconds == 900 and spec.engine.kv_cache_dtype == "int8"
     obj["spec"]["model"]["cache"] = {"claimName": "shared-models"}
     assert parse_inference_service(obj).cache.claim_name == "shared-models"
 
@@ -286,3 +288,25 @@ def test_peering_crds_match_kopf():
     assert refs.NAMESPACED_PEERINGS_K.any_name == ns["spec"]["names"]["plural"]
     assert refs.CLUSTER_PEERINGS_K.group == "kopf.dev" == cluster["spec"]["group"]
     assert cluster["spec"]["versions"][0]["name"] == refs.CLUSTER_PEERINGS_K.version
+
+
+def test_scale_to_zero_needs_routing_in_the_crd_and_the_parser(spec_schema):
+    from tokenmill.operator.plan.spec import SCALE_TO_ZERO_NEEDS_ROUTING
+
+    (rule,) = [r for r in spec_schema["x-kubernetes-validations"] if "minReplicas" in r["rule"]]
+    assert rule["message"] == SCALE_TO_ZERO_NEEDS_ROUTING and rule["fieldPath"] == ".scaling.minReplicas"
+    assert spec_schema["properties"]["scaling"]["properties"]["minReplicas"]["minimum"] == 0
+    obj = full_object()
+    obj["spec"]["scaling"]["minReplicas"] = 0
+    assert parse_inference_service(obj).scaling.min_replicas == 0
+    del obj["spec"]["routing"]
+    with pytest.raises(SpecError, match=re.escape(SCALE_TO_ZERO_NEEDS_ROUTING)):
+        parse_inference_service(obj)
+    obj["spec"]["routing"] = {"enabled": False}
+    with pytest.raises(SpecError, match=re.escape("needs spec.routing.enabled: true")):
+        parse_inference_service(obj)
+    obj["spec"]["scaling"]["minReplicas"] = 1
+    assert parse_inference_service(obj).routing is None  # routing off: no router
+    obj["spec"]["routing"] = {"enabled": True}
+    routing = parse_inference_service(obj).routing
+    assert routing is not None and routing.gateway_name is None  # standalone Envoy

@@ -205,7 +205,8 @@ def test_metrics_render_every_contract_name_with_the_model_label():
     body, content_type = m.render()
     assert content_type.startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    contract = {getattr(metric_names, n) for n in dir(metric_names) if n.isupper() and n != "LABEL_MODEL"}
+    # vllm:lora_requests_info exists with --enable-lora only, without model_name as in vLLM (test_lora_serve.py)
+    contract = {getattr(metric_names, n) for n in dir(metric_names) if n.isupper() and n not in ("LABEL_MODEL", "LORA_REQUESTS_INFO")}
     assert contract <= set(families)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
@@ -404,7 +405,7 @@ def test_a_template_error_is_a_400_on_chat_render_and_tokenize(bundled_model_dir
 
     async def run() -> list[httpx.Response]:
         engine = AsyncLLM(types.SimpleNamespace(), tokenizer, EngineInfo(CAPACITY, [2]))
-        engine.admit = engine.release = lambda ids: (
+        engine.admit = engine.release = lambda ids, *_lora: (
             None
         )  # nothing reaches generate(): the template fails first
         state = ServerState(served_model_names=["m"], engine=engine, tokenizer=tokenizer, vocab_size=100,

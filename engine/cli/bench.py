@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers|sampler|startup|attention|kv-cache`."""
+"""`tokenmill bench throughput|serve|compare|roofline|structured|lora|output-path|peers|sampler|startup|attention|kv-cache`."""
 
 import argparse
 import asyncio
@@ -81,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,64", help="batch sizes to measure")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--schema-properties", type=int, default=200, help="size of the large schema compiled")
+    p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("lora", help="output tokens/s with the batch spread over LoRA adapters vs the base model alone")
+    _engine_args(p)
+    p.add_argument("--batches", default="8,64", help="batch sizes to measure")
+    p.add_argument("--num-adapters", type=int, default=4, help="random adapters written when --adapters is not given")
+    p.add_argument("--adapters", default=None, help="comma-separated PEFT adapter folders to use instead")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="slot rank; also the random adapters' rank")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens per request")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved base / LoRA runs per batch size (best kept)")
     p.add_argument("--json", dest="json_out", default=None)
 
     p = sub.add_parser("output-path", help="API-process CPU per token: detokenize, stop strings, SSE framing")
@@ -361,6 +372,29 @@ def cmd_structured(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lora(args: argparse.Namespace) -> int:
+    from tokenmill.engine import LLM
+    from tokenmill.engine.bench.lora import run_lora_bench
+
+    threads = _set_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches must list positive batch sizes, got {args.batches!r}")
+    for name in ("num_adapters", "max_tokens", "prompt_len", "rounds", "max_lora_rank"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    adapters = [Path(p) for p in args.adapters.split(",") if p.strip()] if args.adapters else None
+    num = len(adapters) if adapters else args.num_adapters
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(batches)
+    llm = LLM(**_llm_kwargs(args), enable_lora=True, max_loras=num, max_lora_rank=args.max_lora_rank)
+    report = run_lora_bench(llm, adapters, num, args.max_lora_rank, batches, args.max_tokens, args.prompt_len,
+                            args.rounds)  # fmt: skip
+    report.update({"threads": threads, "dtype": resolved_dtype(llm)})
+    _emit(report, args.json_out)
+    return 0
+
+
 def cmd_output_path(args: argparse.Namespace) -> int:
     from tokenmill.engine.bench.output_path import run_output_path_bench
 
@@ -482,7 +516,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
-            "structured": cmd_structured, "output-path": cmd_output_path,
+            "structured": cmd_structured, "output-path": cmd_output_path, "lora": cmd_lora,
             "peers": cmd_peers, "sampler": cmd_sampler, "startup": cmd_startup, "attention": cmd_attention,
             "kv-cache": cmd_kv_cache}
 

@@ -12,7 +12,7 @@ import dataclasses
 import pathlib
 from dataclasses import dataclass
 
-from tokenmill.engine import kv_memory
+from tokenmill.engine import kv_memory, lora_memory
 from tokenmill.engine.config import EngineConfig, check_engine_config
 from tokenmill.engine.distributed.parallel_state import validate_parallel
 from tokenmill.engine.model.resolve import resolve_model
@@ -37,6 +37,9 @@ class EnginePlan:
     # The pool's blocks per rank when the config fixes them (explicit, a byte budget, or the CPU default);
     # None on CUDA without either: sized from the memory free once the weights are in (Worker).
     num_kv_blocks: int | None
+    # Bytes of the LoRA slots on one rank (0: LoRA off). On CUDA they are allocated before the KV pool is
+    # sized from the free memory, so the pool leaves them out; an explicit pool size or budget is the pool's own.
+    lora_slot_bytes: int = 0
     # The cache's dtype, resolved (kv_memory.resolve_kv_cache_dtype): the model's, or int8 / fp8_e4m3 / fp8_e5m2.
     kv_cache_dtype: str = "float32"
 
@@ -76,9 +79,16 @@ def plan_engine(config: EngineConfig, revision: str | None = None, *, config_onl
     if num_blocks is None and (config.kv_cache_memory is not None or device_type != "cuda"):
         budget = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = kv_memory.num_kv_blocks(budget, config.block_size, kv_per_token)
+    lora_bytes = 0
+    if config.enable_lora:
+        lora_bytes = lora_memory.lora_slot_bytes(
+            mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+            mc.intermediate_size, config.max_loras, config.max_lora_rank, lora_memory.lora_dtype(device_type, dtype),
+            tp, pp,
+        )  # fmt: skip
     plan = EnginePlan(
         dataclasses.replace(config, model=str(path)), path, mc, device, dtype, max_model_len, kv_per_token,
-        num_blocks, kv_cache_dtype,
+        num_blocks, lora_bytes, kv_cache_dtype,
     )  # fmt: skip
     if num_blocks is not None:
         check_kv_pool(plan, num_blocks)
