@@ -84,23 +84,25 @@ def generate_greedy(llm: Any, prompts: list[str], max_tokens: int, top_k: int = 
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def decode_step_seconds(llm: Any, batch: int, prompt_len: int, short: int, long: int) -> float:
-    """Seconds per pure decode step at `batch` sequences after `prompt_len`-token prompts: two runs that
-    differ only in output length, so prefill and start-up cancel (bench/roofline.py's method)."""
+def decode_step_seconds(llm: Any, batch: int, prompt_len: int, short: int, long: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per pure decode step at `batch` sequences after `prompt_len`-token prompts: two
+    runs that differ only in output length, so prefill and start-up cancel (bench/roofline.py's method).
+    CPU time is this process's: on a shared machine it leaves out the time other jobs held the cores."""
     from tokenmill.engine import SamplingParams
 
     prompts = [[1000 + 7 * i + j for j in range(prompt_len)] for i in range(batch)]
 
-    def run(n: int) -> tuple[float, int]:
+    def run(n: int) -> tuple[float, float, int]:
         llm.reset_stats()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.generate(None, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0),
                      prompt_token_ids=prompts, use_tqdm=False)  # fmt: skip
-        return time.perf_counter() - t0, int(llm.stats()["num_steps"])
+        return time.perf_counter() - t0, time.process_time() - c0, int(llm.stats()["num_steps"])
 
-    t_short, s_short = run(short)
-    t_long, s_long = run(long)
-    return (t_long - t_short) / max(1, s_long - s_short)
+    w_short, c_short, s_short = run(short)
+    w_long, c_long, s_long = run(long)
+    steps = max(1, s_long - s_short)
+    return (w_long - w_short) / steps, (c_long - c_short) / steps
 
 
 def run_kv_cache_bench(
@@ -115,7 +117,8 @@ def run_kv_cache_bench(
 ) -> dict[str, Any]:
     from tokenmill.engine import LLM
 
-    llms = {d: LLM(**llm_kwargs, kv_cache_dtype=d) for d in kv_cache_dtypes}
+    # No prefix caching: both runs of a measurement prefill their prompts, so the difference is decode alone.
+    llms = {d: LLM(**{**llm_kwargs, "enable_prefix_caching": False}, kv_cache_dtype=d) for d in kv_cache_dtypes}
     base = kv_cache_dtypes[0]
     caps = {d: llm.capacity for d, llm in llms.items()}
     report: dict[str, Any] = {
@@ -138,17 +141,21 @@ def run_kv_cache_bench(
     }  # fmt: skip
     for llm in llms.values():  # warm: each engine's first decode steps at the largest batch
         decode_step_seconds(llm, max(batches), min(prompt_lens), 2, 4)
-    best = {(d, b, p): float("inf") for d in llms for b in batches for p in prompt_lens}
+    wall = {(d, b, p): float("inf") for d in llms for b in batches for p in prompt_lens}
+    cpu = dict(wall)
     for _ in range(rounds):
         for b in batches:
             for p in prompt_lens:
                 for d, llm in llms.items():
-                    best[d, b, p] = min(best[d, b, p], decode_step_seconds(llm, b, p, short, long))
+                    w, c = decode_step_seconds(llm, b, p, short, long)
+                    wall[d, b, p], cpu[d, b, p] = min(wall[d, b, p], w), min(cpu[d, b, p], c)
     report["decode_steps"] = [
         {
             "batch": b, "prompt_len": p, "mean_context": p + (short + long) / 2,
-            **{f"{d}_ms": round(best[d, b, p] * 1e3, 2) for d in llms},
-            **{f"{d}_speedup": round(best[base, b, p] / best[d, b, p], 3) for d in llms if d != base},
+            **{f"{d}_ms": round(wall[d, b, p] * 1e3, 2) for d in llms},
+            **{f"{d}_speedup": round(wall[base, b, p] / wall[d, b, p], 3) for d in llms if d != base},
+            **{f"{d}_cpu_ms": round(cpu[d, b, p] * 1e3, 2) for d in llms},
+            **{f"{d}_cpu_speedup": round(cpu[base, b, p] / cpu[d, b, p], 3) for d in llms if d != base},
         }
         for b in batches for p in prompt_lens
     ]  # fmt: skip
