@@ -230,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
         "hf://ORG/NAME[@REV], pvc://CLAIM/PATH or file:///PATH); implies --enable-lora",
     )
     p.add_argument(
+        "--lora-modules-file",
+        default=None,
+        help='a JSON list of {"name": NAME, "path": PATH} read before the server is ready and again whenever '
+        "it changes: adapters added, changed and removed without a restart (the operator mounts its ConfigMap "
+        "here); one that fails to load is reported in tokenmill:lora_adapter_info and does not stop the server; "
+        "implies --enable-lora",
+    )
+    p.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
         help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
@@ -341,7 +349,7 @@ def _resolve_lora(args: argparse.Namespace, env: dict[str, str], parser: argpars
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         parser.error(f"--lora-modules names {', '.join(dup)} more than once")
-    args.enable_lora = args.enable_lora or bool(args.lora_modules)
+    args.enable_lora = args.enable_lora or bool(args.lora_modules) or bool(args.lora_modules_file)
     args.allow_runtime_lora_updating = runtime_updates_allowed(args.allow_runtime_lora_updating, env)
     if args.allow_runtime_lora_updating and not args.enable_lora:
         parser.error("--allow-runtime-lora-updating needs --enable-lora")

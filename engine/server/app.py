@@ -145,11 +145,14 @@ def build_app(
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         serving = _runtime_lora(state)
         await asyncio.to_thread(serving.load, req.lora_name, req.lora_path, set(state.served_model_names))
+        state.metrics.set_lora_adapters(list(serving.adapters), serving.failed)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
-        _runtime_lora(state).unload(req.lora_name)
+        serving = _runtime_lora(state)
+        serving.unload(req.lora_name)
+        state.metrics.set_lora_adapters(list(serving.adapters), serving.failed)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     # ---- tokenizer -------------------------------------------------------------------------------
