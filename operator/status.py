@@ -71,6 +71,7 @@ def plan_status(p: SizingPlan, profile: ModelProfile | None) -> dict:
         "tensorParallelSize": p.tensor_parallel_size,
         "pipelineParallelSize": p.pipeline_parallel_size,
         "dtype": p.dtype,
+        "kvCacheDtype": p.kv_cache_dtype,
         "gpuMemoryBytes": p.gpu_memory_bytes,
         "weightsBytes": p.weights_bytes,
         "weightsBytesPerGPU": p.weights_bytes_per_gpu,

@@ -26,6 +26,7 @@ from tokenmill.engine.config import (
     parse_kv_events_config,
 )
 from tokenmill.engine.frontend.generation_config import parse_override
+from tokenmill.engine.kv_memory import KV_CACHE_DTYPES
 from tokenmill.engine.model.bundled import BUNDLED_MODEL
 from tokenmill.engine.model.source import ModelSourceError, parse_model_source
 from tokenmill.engine.server.tools.parser import PARSERS
@@ -129,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", type=parse_bytes, default=None, help="bytes for the KV cache, e.g. 2GiB"
     )
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default=DEFAULTS.kv_cache_dtype,
+        help="KV cache dtype: auto (the model's), int8 or fp8 (= fp8_e4m3) / fp8_e5m2: 8-bit codes with a scale "
+        "per token and head, about half the bytes of bf16 (docs/engine.md, '8-bit KV cache')",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
@@ -370,6 +378,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         enforce_eager=args.enforce_eager,

@@ -210,8 +210,10 @@ class ServerMetrics:
         self.max_concurrency.set(c.max_concurrency)
         self.max_model_len.set(c.max_model_len)
         self.model_load_seconds.set(c.model_load_seconds)
+        # cache_dtype: what the pool holds (the model's dtype, int8, fp8_e4m3, fp8_e5m2), not the flag's `auto`/`fp8`.
+        cache_dtype = getattr(c, "kv_cache_dtype_resolved", "") or c.dtype
         self._cache_info.labels(
-            self.model_name, str(c.block_size), str(c.num_kv_blocks), c.dtype, str(enable_prefix_caching)
+            self.model_name, str(c.block_size), str(c.num_kv_blocks), cache_dtype, str(enable_prefix_caching)
         ).set(1)
 
     # ---- per engine step -----------------------------------------------------------------------

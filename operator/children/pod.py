@@ -45,6 +45,8 @@ def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
         "--max-waiting-requests", str(spec.max_waiting_requests),
         "--shutdown-grace-period", str(SHUTDOWN_GRACE_SECONDS),
     ]
+    if plan.kv_cache_dtype != plan.dtype:  # an 8-bit cache: the bytes the plan counted (auto is the dtype's)
+        args += ["--kv-cache-dtype", plan.kv_cache_dtype]
     if gpus_per_pod(plan) > 1:
         args += ["--tensor-parallel-size", str(gpus_per_pod(plan))]
     if plan.pipeline_parallel_size > 1:

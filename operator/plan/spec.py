@@ -8,8 +8,9 @@ instead of a crash. The defaults here are the CRD's defaults (a test keeps them 
 import re
 from dataclasses import dataclass, field
 
+from tokenmill.engine import kv_memory
 from tokenmill.operator.plan.catalog import GPU_TYPES
-from tokenmill.operator.plan.sizing import EngineSettings
+from tokenmill.operator.plan.sizing import EngineSettings, resolve_dtype
 
 GROUP = "serving.tokenmill.dev"
 VERSION = "v1alpha1"
@@ -38,6 +39,7 @@ SCALE_TO_ZERO_NEEDS_ROUTING = (
 
 DEFAULTS = {
     "engine.dtype": "auto",
+    "engine.kvCacheDtype": "auto",
     "engine.blockSize": 16,
     "engine.maxModelLen": "auto",
     "engine.maxNumSeqs": "auto",
@@ -242,6 +244,11 @@ def _parse(body: dict) -> ServiceSpec:
     dtype = _str(get("engine.dtype"), "spec.engine.dtype")
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise SpecError(f"spec.engine.dtype {dtype!r} must be auto, bfloat16, float16 or float32")
+    kv_cache_dtype = _str(get("engine.kvCacheDtype"), "spec.engine.kvCacheDtype")
+    try:
+        kv_memory.resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype))
+    except ValueError as e:
+        raise SpecError(f"spec.engine.kvCacheDtype: {e}") from None
     util = get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise SpecError(f"spec.engine.gpuMemoryUtilization must be in (0, 1], got {util!r}")
@@ -250,6 +257,7 @@ def _parse(body: dict) -> ServiceSpec:
         raise SpecError(f"spec.engine.blockSize must be 16 or 32, got {block_size}")
     engine = EngineSettings(
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         max_model_len=_auto_or_int(get("engine.maxModelLen"), "spec.engine.maxModelLen"),
         max_num_seqs=_auto_or_int(get("engine.maxNumSeqs"), "spec.engine.maxNumSeqs"),
