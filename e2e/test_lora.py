@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import openai
 import pytest
 from cluster import Cluster
-from e2e_helpers import ISVC, OperatorProcess, apply, get, replaced_operator, wait_for
+from e2e_helpers import ISVC, apply, get, wait_for
 from hub_standin import HubStandin
 from pod_runner import PodRunner
 from test_pod_runner import proc_argv, runner_pods, wait_ready_sampling_kstatus, with_runner
+from test_pod_runner_hub import hub_operator  # noqa: F401 (the fixture: the operator with --hf-endpoint=hub.url)
 
 REPOS = {"sql": "acme/smollm2-sql-lora", "chat": "acme/smollm2-chat-lora"}
 PROMPT = "Once upon a time"
@@ -36,16 +37,9 @@ def hub(tmp_path_factory) -> Iterator[HubStandin]:
         yield hub
 
 
-@pytest.fixture(scope="module")
-def hub_operator(cluster: Cluster, operator: OperatorProcess, chart_release: str, hub: HubStandin,
-                 tmp_path_factory) -> Iterator[OperatorProcess]:
-    log = tmp_path_factory.mktemp("op") / "operator.log"
-    with replaced_operator(cluster, operator, chart_release, [f"--hf-endpoint={hub.url}"], log) as mine:
-        yield mine
-
-
+@pytest.mark.usefixtures("hub_operator")
 def test_two_hub_adapters_answer_by_model_name_with_the_gauge_and_status(
-        cluster: Cluster, hub_operator: OperatorProcess, pod_runner: PodRunner, hub: HubStandin,
+        cluster: Cluster, pod_runner: PodRunner, hub: HubStandin,
         namespace: str) -> None:
     name = "lora"
     isvc = with_runner({
