@@ -61,6 +61,14 @@ def cache_config(url: str) -> dict[str, str]:
     return info.labels
 
 
+def lora_info(url: str) -> dict[str, str] | None:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "vllm:lora_requests_info"]
+    return found[-1] if found else None
+
+
 def test_the_epp_reads_queue_running_kv_and_cache_config(metrics_check, engine) -> None:
     view = epp_view(metrics_check, engine)
     m = view["metrics"]
@@ -68,8 +76,11 @@ def test_the_epp_reads_queue_running_kv_and_cache_config(metrics_check, engine) 
     labels = cache_config(engine)
     assert (m["CacheBlockSize"], m["CacheNumBlocks"]) == (int(labels["block_size"]), int(labels["num_gpu_blocks"]))
     assert m["CacheBlockSize"] == 16 and m["CacheNumBlocks"] > 0
-    # Only the LoRA gauge is missing (no adapters enabled), exactly as vLLM without --enable-lora.
-    assert view["extractError"] == 'metric family "vllm:lora_requests_info" not found'
+    lora = lora_info(engine)
+    if lora is None:  # only the LoRA gauge is missing (no adapters enabled), as with vLLM without --enable-lora
+        assert view["extractError"] == 'metric family "vllm:lora_requests_info" not found'
+    else:
+        assert view["extractError"] == "" and m["MaxActiveModels"] == int(lora["max_lora"])
 
     # Under load: max_num_seqs is 1, so of two long requests one runs and one waits.
     def generate() -> None:
