@@ -4,6 +4,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from tokenmill.engine.kv_memory import KV_CACHE_DTYPES
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -17,6 +19,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default per device
+    # vLLM's --kv-cache-dtype: auto (the model's dtype), an 8-bit cache (int8, fp8 = fp8_e4m3, fp8_e5m2),
+    # or the model's dtype by name (kv_memory.KV_CACHE_DTYPES).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # CUDA only: skip CUDA graph capture of decode steps
@@ -143,6 +148,8 @@ def check_engine_config(c: EngineConfig) -> None:
             )
     if c.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {c.dtype!r}")
+    if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
     if parse_kv_events_config(c.kv_events_config) is not None and not c.enable_prefix_caching:
         raise ValueError(
             "KV-cache events (--kv-events-config) need prefix caching: with --no-enable-prefix-caching no block "

@@ -55,7 +55,7 @@ def _run(base: pathlib.Path, adapters: dict[str, pathlib.Path], *, tp: int = 1, 
     core = EngineCore(config)
     if masked:
         lora = core.executor.worker.lora
-        lora.state.__init__(2, True, 64, lora.dtype, core.executor.device)
+        lora.state.__init__(2, True, 64, lora.dtype, core.executor.device)  # the CUDA path, on CPU
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     rows = FIRST + SECOND
     tokens: dict[int, list[int]] = {}

@@ -67,6 +67,8 @@ class EngineCore:
             dtype=plan.dtype,
             device=str(self.executor.device),
             kv_bytes_per_token=plan.kv_bytes_per_token,
+            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype_resolved=plan.kv_cache_dtype,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             max_loras=config.max_loras if config.enable_lora else 0,
