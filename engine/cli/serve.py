@@ -19,6 +19,7 @@ import re
 
 from tokenmill.engine.config import (
     DEFAULT_LIVENESS_STALL_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_READINESS_STALL_S,
     DEFAULTS,
     EngineConfig,
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=256,
         help="answer 429 when this many admitted requests wait to be scheduled; 0: no limit",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="answer 413 to a request body larger than this, declared or chunked "
+        f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES // 2**20}MiB)",
     )
     p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULTS.max_num_batched_tokens)

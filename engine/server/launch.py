@@ -233,6 +233,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig, launched: MPClien
         served_model_names=list(args.served_model_name),
         api_key=args.api_key or None,
         require_auth_for_metrics=args.require_auth_for_metrics,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     holder: dict[str, Server] = {}
 
