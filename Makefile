@@ -120,8 +120,10 @@ image-tools:
 dockerfile-check:
 	@bash images/check_dockerfiles.sh
 
-# The control plane, then the LeaderWorkerSet controller and Kueue beside it.
-cluster-up: $(STAMP) cluster-tools lws-tools kueue-tools
+# The control plane, then the LeaderWorkerSet controller and Kueue beside it, the CRDs (ours and the
+# InferencePool's) and the pod runner as the cluster's kubelet (it runs engine, endpoint-picker and Envoy
+# pods as local processes): then `tokenmill operator` and `kubectl apply -f examples/routed.yaml`.
+cluster-up: $(STAMP) cluster-tools lws-tools kueue-tools epp-tools
 	$(VENV)/bin/python e2e/cluster.py up
 
 cluster-down:
