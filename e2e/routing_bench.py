@@ -40,9 +40,12 @@ def system_prompt(seed: int, words: int) -> str:
     return f"You are assistant {seed}. Remember these words and answer briefly: {body}."
 
 
-def user_turn(conversation: int, turn: int, seed: int) -> str:
+def user_turn(conversation: int, turn: int, seed: int, words: int = 40) -> str:
+    """A turn that brings some text of its own (a note, a list) and a question about it."""
     rng = random.Random(seed * 1000 + conversation * 10 + turn)
-    return f"Conversation {conversation}, question {turn}: what rhymes with {rng.choice(WORDS)} and {rng.choice(WORDS)}?"
+    note = " ".join(rng.choice(WORDS) for _ in range(words))
+    return (f"Conversation {conversation}, message {turn}. Here is my note: {note}. "
+            f"Which of these words rhymes with {rng.choice(WORDS)}?")
 
 
 @dataclass
@@ -52,6 +55,7 @@ class PathResult:
     hits: float = 0.0
     queries: float = 0.0
     errors: list[str] = field(default_factory=list)
+    served: list[int] = field(default_factory=list)  # requests each engine completed during the run
 
     @property
     def hit_rate(self) -> float:
@@ -61,19 +65,22 @@ class PathResult:
         p50 = statistics.median(self.ttft) if self.ttft else float("nan")
         mean = statistics.fmean(self.ttft) if self.ttft else float("nan")
         return (f"{self.name:<14} {len(self.ttft):>8} {p50 * 1000:>10.0f} {mean * 1000:>10.0f} "
-                f"{self.hit_rate:>9.1%} {len(self.errors):>7}")
+                f"{self.hit_rate:>9.1%} {'/'.join(map(str, self.served)):>12} {len(self.errors):>7}")
 
 
-HEADER = f"{'path':<14} {'requests':>8} {'TTFT p50':>10} {'TTFT mean':>10} {'hit rate':>9} {'errors':>7}\n" \
-         f"{'':<14} {'':>8} {'(ms)':>10} {'(ms)':>10}"
+HEADER = (f"{'path':<14} {'requests':>8} {'TTFT p50':>10} {'TTFT mean':>10} {'hit rate':>9} {'per engine':>12} "
+          f"{'errors':>7}\n{'':<14} {'':>8} {'(ms)':>10} {'(ms)':>10}")
 
 
-def engine_counters(engine_urls: list[str]) -> tuple[float, float]:
-    """(prefix-cache hits, queries) summed over the engines, from their /metrics."""
+def engine_counters(engine_urls: list[str]) -> tuple[float, float, list[float]]:
+    """(prefix-cache hits, queries) summed over the engines, and each engine's completed requests, from
+    their /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     hits = queries = 0.0
+    done = []
     for url in engine_urls:
+        done.append(0.0)
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
             for family in text_string_to_metric_families(r.read().decode()):
                 for s in family.samples:
@@ -81,7 +88,9 @@ def engine_counters(engine_urls: list[str]) -> tuple[float, float]:
                         hits += s.value
                     elif s.name == "vllm:prefix_cache_queries_total":
                         queries += s.value
-    return hits, queries
+                    elif s.name == "vllm:request_success_total":
+                        done[-1] += s.value
+    return hits, queries, done
 
 
 def chat_once(base_url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
@@ -102,14 +111,16 @@ def chat_once(base_url: str, model: str, messages: list[dict], max_tokens: int) 
 
 
 def run_path(name: str, pick_url, model: str, engine_urls: list[str], seed: int, conversations: int, turns: int,
-             system_words: int, max_tokens: int) -> PathResult:
-    """The conversations run side by side (one thread each), every turn after the last one's answer."""
+             system_words: int, max_tokens: int, stagger: float) -> PathResult:
+    """The conversations run side by side (one thread each, started `stagger` seconds apart: users do not
+    arrive in one instant), every turn after the last one's answer."""
     result = PathResult(name)
     lock = threading.Lock()
     system = system_prompt(seed, system_words)
-    h0, q0 = engine_counters(engine_urls)
+    h0, q0, d0 = engine_counters(engine_urls)
 
     def conversation(c: int) -> None:
+        time.sleep(c * stagger)
         messages = [{"role": "system", "content": system}]
         for t in range(turns):
             messages.append({"role": "user", "content": user_turn(c, t, seed)})
@@ -128,19 +139,20 @@ def run_path(name: str, pick_url, model: str, engine_urls: list[str], seed: int,
         th.start()
     for th in threads:
         th.join()
-    h1, q1 = engine_counters(engine_urls)
+    h1, q1, d1 = engine_counters(engine_urls)
     result.hits, result.queries = h1 - h0, q1 - q0
+    result.served = [round(b - a) for a, b in zip(d0, d1, strict=True)]
     return result
 
 
-def compare(router_url: str, engine_urls: list[str], model: str, conversations: int = 6, turns: int = 4,
-            system_words: int = 60, max_tokens: int = 12, seed: int = 1) -> list[PathResult]:
+def compare(router_url: str, engine_urls: list[str], model: str, conversations: int = 6, turns: int = 5,
+            system_words: int = 60, max_tokens: int = 24, seed: int = 1, stagger: float = 0.5) -> list[PathResult]:
     """The three paths, one after the other, each with its own system prompt; returns their results."""
     draw = random.Random(seed)
     paths = [("one replica", lambda: engine_urls[0]), ("router", lambda: router_url),
              ("service", lambda: draw.choice(engine_urls))]
-    return [run_path(name, pick, model, engine_urls, seed + i, conversations, turns, system_words, max_tokens)
-            for i, (name, pick) in enumerate(paths)]
+    return [run_path(name, pick, model, engine_urls, seed + i, conversations, turns, system_words, max_tokens,
+                     stagger) for i, (name, pick) in enumerate(paths)]
 
 
 def report(results: list[PathResult]) -> str:
@@ -159,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--namespace", default="default")
     p.add_argument("--kubeconfig", required=True)
     p.add_argument("--conversations", type=int, default=6)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args(argv)
     isvc = _kubectl_json(args.kubeconfig, "get", "inferenceservice", args.name, "-n", args.namespace)
     model = isvc["spec"]["model"].get("name") or args.name

@@ -121,7 +121,7 @@ def test_the_router_is_what_the_operator_wrote_and_the_picker_holds_only_its_rol
 
 def test_multi_turn_chat_through_the_router_keeps_prefix_hits_of_one_replica(routed: Routed):
     engines = sorted(routed.engines().values())
-    results = routing_bench.compare(routed.router_url(), engines, MODEL, conversations=6, turns=4)
+    results = routing_bench.compare(routed.router_url(), engines, MODEL)
     print("\n" + routing_bench.report(results))
     one, router, service = results
     assert not any(r.errors for r in results), [r.errors for r in results]

@@ -183,6 +183,8 @@ def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decisi
                 out["promptTokens"] = st.prompt_tokens
             if st.wake_requested is not None:
                 wake["requestedTime"] = iso(st.wake_requested)
+            else:
+                wake.pop("requestedTime", None)  # no wake running
             if zero.wake_seconds is not None:
                 wake["lastSeconds"] = round(zero.wake_seconds, 1)
                 wake["lastTime"] = iso(now)

@@ -118,7 +118,14 @@ def test_a_routed_service_starts_at_one_idles_to_zero_and_wakes_on_a_held_reques
     deployment_ready(api)
     status = run(api, autoscale=True, now=1117, scrape=engines(1, 30), read_held=router(0))
     assert status["scaling"]["wake"]["lastSeconds"] == 14.0 and status["scaling"]["wake"]["predictedFrom"] == "lastWake"
-    assert any(e[1] == "Woke" and "14.0s" in e[2] for e in api.events)
+    assert "requestedTime" not in status["scaling"]["wake"]  # the wake is over
+    assert sum(e[1] == "Woke" and "14.0s" in e[2] for e in api.events) == 1
+    # idle again: back to 0 after idleSeconds from the wake, with the measured wake kept and no second Woke
+    run(api, autoscale=True, now=1140, scrape=engines(0, 30), read_held=router(0))
+    status = run(api, autoscale=True, now=1148, scrape=engines(0, 30), read_held=router(0))
+    assert api.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 0
+    assert status["scaling"]["wake"]["lastSeconds"] == 14.0
+    assert sum(e[1] == "Woke" for e in api.events) == 1
 
 
 def test_no_scale_to_zero_while_the_router_cannot_be_read():
