@@ -40,7 +40,7 @@ def system_prompt(seed: int, words: int) -> str:
     return f"You are assistant {seed}. Remember these words and answer briefly: {body}."
 
 
-def user_turn(conversation: int, turn: int, seed: int, words: int = 40) -> str:
+def user_turn(conversation: int, turn: int, seed: int, words: int = 60) -> str:
     """A turn that brings some text of its own (a note, a list) and a question about it."""
     rng = random.Random(seed * 1000 + conversation * 10 + turn)
     note = " ".join(rng.choice(WORDS) for _ in range(words))
@@ -145,7 +145,7 @@ def run_path(name: str, pick_url, model: str, engine_urls: list[str], seed: int,
     return result
 
 
-def compare(router_url: str, engine_urls: list[str], model: str, conversations: int = 6, turns: int = 5,
+def compare(router_url: str, engine_urls: list[str], model: str, conversations: int = 4, turns: int = 6,
             system_words: int = 60, max_tokens: int = 24, seed: int = 1, stagger: float = 0.5) -> list[PathResult]:
     """The three paths, one after the other, each with its own system prompt; returns their results."""
     draw = random.Random(seed)
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="the routed InferenceService")
     p.add_argument("-n", "--namespace", default="default")
     p.add_argument("--kubeconfig", required=True)
-    p.add_argument("--conversations", type=int, default=6)
-    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args(argv)
     isvc = _kubectl_json(args.kubeconfig, "get", "inferenceservice", args.name, "-n", args.namespace)

@@ -135,7 +135,7 @@ def test_the_picker_avoids_the_busy_pod(routed: Routed):
     story = "Write a long story about a lighthouse keeper and the sea, with many details. "
     long_requests = [threading.Thread(target=lambda i=i: httpx.post(
         f"{busy_url}/v1/chat/completions", timeout=300,
-        json={"model": MODEL, "messages": [{"role": "user", "content": f"{i}: {story}"}], "max_tokens": 300,
+        json={"model": MODEL, "messages": [{"role": "user", "content": f"{i}: {story}"}], "max_tokens": 150,
               "temperature": 0})) for i in range(8)]
     for t in long_requests:
         t.start()
@@ -156,7 +156,7 @@ def test_the_picker_avoids_the_busy_pod(routed: Routed):
                                  "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200, r.text
         by_id = wait_for(lambda: (lambda e: e if all(x in e for x in ids) else None)(
-            {e.get("request_id"): e for e in routed.envoy_log()}), "Envoy's access log lines", timeout=15)
+            {e.get("request_id"): e for e in routed.envoy_log()}), "Envoy's access log lines", timeout=30)
         chosen = [by_id[rid]["endpoint"] for rid in ids]
         busy_endpoint = busy_url.removeprefix("http://")
         print(f"busy pod {busy_endpoint}; the picker chose {chosen}")

@@ -82,6 +82,7 @@ def _http_listener(request_ttl_seconds: int) -> dict:
         stream_idle_timeout=STREAM_TIMEOUT,
         local_reply_config=_local_replies(),
         use_remote_address=True,
+        preserve_external_request_id=True,  # a client's x-request-id is kept: logs correlate end to end
         normalize_path=True,
         merge_slashes=True,
         access_log=[{"name": "envoy.access_loggers.stdout", "typed_config": _typed(
