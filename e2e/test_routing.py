@@ -206,7 +206,8 @@ def test_scale_to_zero_holds_the_request_wakes_the_service_and_idles_back(routed
     isvc = routed.isvc()
     assert condition(isvc, "Ready")["status"] == "True" and condition(isvc, "Ready")["reason"] == "ScaledToZero"
     predicted = isvc["status"]["scaling"]["wake"]
-    assert predicted["budgetSeconds"] > 0 and predicted["predictedFrom"] in ("modelLoadSeconds", "startupBudget")
+    # the two replicas' start (creation to Ready) is the prediction until a wake is measured
+    assert predicted["predictedFrom"] == "podStart" and predicted["predictedSeconds"] == predicted["podStartSeconds"]
 
     t0 = time.monotonic()
     ttft, answer = routing_bench.chat_once(routed.router_url(), MODEL,
