@@ -194,3 +194,19 @@ def test_the_real_envoy_accepts_the_bootstrap(tmp_path):
     proc = subprocess.run([str(envoy), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and f"configuration '{path}' OK" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+def test_envoy_is_ready_only_while_its_health_check_of_the_picker_passes():
+    """The picker serves gRPC health on its ext_proc port (--health-checking), which Envoy's active check of
+    the ext_proc cluster asks, and Envoy's /ready answers 200 only while that cluster is healthy."""
+    _s, _p, _d, objs = children(routed())
+    picker = objs[("Deployment", "chat-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--health-checking=true" in picker["args"]
+    config = yaml.safe_load(objs[("ConfigMap", "chat-router")]["data"]["envoy.yaml"])
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    (check,) = clusters["ext_proc"]["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    ready = next(x for x in config["static_resources"]["listeners"] if x["name"] == "ready")
+    hcm = ready["filter_chains"][0]["filters"][0]["typed_config"]
+    health = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.health_check")
+    assert health["typed_config"]["cluster_min_healthy_percentages"] == {"ext_proc": {"value": 100}}

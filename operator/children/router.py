@@ -75,6 +75,9 @@ def _picker_container(spec: ServiceSpec, image: str) -> dict:
             f"--config-file=/config/{PICKER_CONFIG_KEY}",
             f"--grpc-port={EXT_PROC_PORT}", f"--grpc-health-port={GRPC_HEALTH_PORT}",
             f"--metrics-port={EPP_METRICS_PORT}",
+            # gRPC health on the ext_proc port too: what Envoy's (and a gateway's) health check of the picker
+            # asks; without it the check never passes and the router pod never turns Ready.
+            "--health-checking=true",
             # The operator reads the flow-control queue from /metrics (scale from zero) as it reads the
             # engines': in-cluster, no token. pprof and tracing are off: nothing collects them.
             "--metrics-endpoint-auth=false", "--enable-pprof=false", "--tracing=false",
