@@ -145,8 +145,8 @@ def run_path(name: str, pick_url, model: str, engine_urls: list[str], seed: int,
     return result
 
 
-def compare(router_url: str, engine_urls: list[str], model: str, conversations: int = 4, turns: int = 6,
-            system_words: int = 60, max_tokens: int = 24, seed: int = 1, stagger: float = 0.5) -> list[PathResult]:
+def compare(router_url: str, engine_urls: list[str], model: str, conversations: int = 3, turns: int = 5,
+            system_words: int = 60, max_tokens: int = 16, seed: int = 1, stagger: float = 0.5) -> list[PathResult]:
     """The three paths, one after the other, each with its own system prompt; returns their results."""
     draw = random.Random(seed)
     paths = [("one replica", lambda: engine_urls[0]), ("router", lambda: router_url),
@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="the routed InferenceService")
     p.add_argument("-n", "--namespace", default="default")
     p.add_argument("--kubeconfig", required=True)
-    p.add_argument("--conversations", type=int, default=4)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--conversations", type=int, default=3)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args(argv)
     isvc = _kubectl_json(args.kubeconfig, "get", "inferenceservice", args.name, "-n", args.namespace)
     model = isvc["spec"]["model"].get("name") or args.name

@@ -133,10 +133,18 @@ def test_the_picker_avoids_the_busy_pod(routed: Routed):
     engines = routed.engines()
     busy_name, busy_url = sorted(engines.items())[0]
     story = "Write a long story about a lighthouse keeper and the sea, with many details. "
-    long_requests = [threading.Thread(target=lambda i=i: httpx.post(
-        f"{busy_url}/v1/chat/completions", timeout=300,
-        json={"model": MODEL, "messages": [{"role": "user", "content": f"{i}: {story}"}], "max_tokens": 150,
-              "temperature": 0})) for i in range(8)]
+    done = threading.Event()
+
+    def long_request(i: int) -> None:
+        """Streams until the test is done, then hangs up (the engine aborts the request)."""
+        with httpx.stream("POST", f"{busy_url}/v1/chat/completions", timeout=300, json={
+                "model": MODEL, "messages": [{"role": "user", "content": f"{i}: {story}"}], "max_tokens": 1000,
+                "temperature": 0, "stream": True}) as r:
+            for _ in r.iter_lines():
+                if done.is_set():
+                    return
+
+    long_requests = [threading.Thread(target=long_request, args=(i,)) for i in range(8)]
     for t in long_requests:
         t.start()
     try:
@@ -163,8 +171,9 @@ def test_the_picker_avoids_the_busy_pod(routed: Routed):
         assert busy_endpoint not in chosen
         assert set(chosen) <= {u.removeprefix("http://") for u in engines.values()}
     finally:
+        done.set()
         for t in long_requests:
-            t.join(timeout=300)
+            t.join(timeout=120)
 
 
 def test_scale_to_zero_holds_the_request_wakes_the_service_and_idles_back(routed: Routed, namespaces):
