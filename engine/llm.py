@@ -25,6 +25,7 @@ class LLM:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         device: str = "auto",
         seed: int = 0,
@@ -36,6 +37,7 @@ class LLM:
         max_loras: int = DEFAULTS.max_loras,
         max_lora_rank: int = DEFAULTS.max_lora_rank,
         max_cpu_loras: int | None = None,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -48,6 +50,7 @@ class LLM:
                 max_model_len=max_model_len,
                 num_kv_blocks=num_kv_blocks,
                 kv_cache_memory=kv_cache_memory,
+                kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 seed=seed,
                 tensor_parallel_size=tensor_parallel_size,
@@ -56,6 +59,7 @@ class LLM:
                 max_loras=max_loras,
                 max_lora_rank=max_lora_rank,
                 max_cpu_loras=max_cpu_loras,
+                kv_events_config=kv_events_config,
             )
         )
 
@@ -119,6 +123,10 @@ class LLM:
 
     def reset_stats(self) -> None:
         self.engine.core.reset_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's LLM.reset_prefix_cache); False while requests hold blocks."""
+        return self.engine.core.reset_prefix_cache()
 
     def _run(
         self,

@@ -3,9 +3,8 @@ fused layout behind it. Dependency-free: the operator's sizing and the engine's 
 `lora_slot_bytes`, so the KV budget they report leaves out the same bytes.
 
 Layout (engine/layers/lora.py): each fused projection of each layer keeps, for every slot, the A matrices
-of its parts stacked along the rank ([parts x R, in]) and one B that is block-diagonal over the parts
-([out, parts x R]), so one grouped product per projection serves all its parts. Ranks below R are padded
-with zeros.
+of its parts side by side along the rank ([in, parts x R]: one shrink product serves all parts) and each
+part's B ([R, part's out]). Ranks below R are padded with zeros.
 """
 
 import math
@@ -32,18 +31,23 @@ def lora_shapes(
     head_dim: int,
     intermediate_size: int,
     tensor_parallel: int = 1,
-) -> dict[str, tuple[int, int, int]]:
-    """Fused projection -> (parts, in features, out features) on one rank."""
+) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Fused projection -> (in features, each part's out features) on one rank."""
     tp = tensor_parallel
     q = num_attention_heads // tp * head_dim
     kv = kv_heads_per_rank(num_kv_heads, tp) * head_dim
     inter = intermediate_size // tp
     return {
-        "qkv_proj": (3, hidden_size, q + 2 * kv),
-        "o_proj": (1, q, hidden_size),
-        "gate_up_proj": (2, hidden_size, 2 * inter),
-        "down_proj": (1, inter, hidden_size),
+        "qkv_proj": (hidden_size, (q, kv, kv)),
+        "o_proj": (q, (hidden_size,)),
+        "gate_up_proj": (hidden_size, (inter, inter)),
+        "down_proj": (inter, (hidden_size,)),
     }
+
+
+def lora_dtype(device_type: str, dtype: str) -> str:
+    """The slots' dtype: the model's, except fp32 on CPU (engine/layers/lora.py says why)."""
+    return "float32" if device_type == "cpu" else dtype
 
 
 def lora_slot_bytes(
@@ -59,11 +63,11 @@ def lora_slot_bytes(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
 ) -> int:
-    """Bytes of all adapter slots on one rank (its stage's layers, its shard): A [parts x R, in] and
-    B [out, parts x R] per fused projection, layer and slot."""
+    """Bytes of all adapter slots on one rank (its stage's layers, its shard): A [in, parts x R] and each
+    part's B [R, out] per fused projection, layer and slot."""
     shapes = lora_shapes(hidden_size, num_attention_heads, num_kv_heads, head_dim, intermediate_size,
                          tensor_parallel)  # fmt: skip
-    per_layer = sum(parts * max_lora_rank * (fan_in + fan_out) for parts, fan_in, fan_out in shapes.values())
+    per_layer = sum(max_lora_rank * (len(outs) * fan_in + sum(outs)) for fan_in, outs in shapes.values())
     layers = layers_per_stage(num_layers, pipeline_parallel)
     return max_loras * layers * per_layer * dtype_bytes(dtype)
 

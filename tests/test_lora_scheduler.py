@@ -3,7 +3,7 @@ slot waits, base requests pass it, later adapter requests queue behind it (no st
 adapters it reports are vllm:lora_requests_info's."""
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core.kv_cache_manager import KVCacheManager, extra_keys
+from tokenmill.engine.core.kv_cache_manager import KVCacheManager, encode_extra_keys, extra_keys
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.request import Request
@@ -78,9 +78,9 @@ def test_block_keys_differ_by_adapter_and_salt_and_never_collide_across_them():
     def keys(salt: str | None, lora: LoRARequest | None) -> bytes:
         r = seq("x", 0, lora)
         r.cache_salt = salt
-        return extra_keys(r, 0)
+        return encode_extra_keys(extra_keys(r, 0))  # the bytes the block's hash covers
 
     variants = [keys(None, None), keys(None, A), keys(None, B), keys("s", None), keys("s", A), keys("s", B),
                 keys(None, LoRARequest("a", 3, "/a"))]  # fmt: skip
     assert keys(None, None) == b"" and len(set(variants)) == len(variants)  # a reload (new id) is a new key too
-    assert extra_keys(seq("x", 0, A), 1) == b""  # later blocks inherit it through the chain
+    assert extra_keys(seq("x", 0, A), 1) is None  # later blocks inherit it through the chain

@@ -9,10 +9,11 @@ import logging
 import time
 
 from tokenmill.engine import kv_memory
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import EngineConfig, parse_kv_events_config
 from tokenmill.engine.core import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.engine.core.capacity import EngineCapacity, StartupTimer
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
+from tokenmill.engine.core.kv_events import make_publisher
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.executor.executor import Executor
 from tokenmill.engine.lora_request import LoRARequest
@@ -43,7 +44,11 @@ class EngineCore:
         check_kv_pool(plan, num_blocks)
         self.executor.initialize_cache(num_blocks)
         timer.mark("runner")  # the KV pool (and on CUDA the captured graphs)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_events = parse_kv_events_config(config.kv_events_config)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, enable_kv_cache_events=kv_events is not None
+        )
+        self.kv_events = make_publisher(kv_events, config.block_size)
         self.scheduler = Scheduler(config, self.kv, plan.max_model_len)
         self.structured_outputs = StructuredOutputManager(
             plan.model_path, plan.model_config.vocab_size, self.eos_token_ids
@@ -62,6 +67,8 @@ class EngineCore:
             dtype=plan.dtype,
             device=str(self.executor.device),
             kv_bytes_per_token=plan.kv_bytes_per_token,
+            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype_resolved=plan.kv_cache_dtype,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             max_loras=config.max_loras if config.enable_lora else 0,
@@ -73,7 +80,10 @@ class EngineCore:
         logger.info("engine core start-up: %s", self.capacity.describe_startup())
 
     def shutdown(self) -> None:
-        """Stop the other parallel ranks (nothing to do on one rank); also runs at interpreter exit."""
+        """Stop the other parallel ranks (nothing to do on one rank) and the KV-event publisher; also runs
+        at interpreter exit."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -150,7 +160,24 @@ class EngineCore:
             block_ids = [self.kv.block_ids(r) for r, _ in sched.scheduled]
             tokens, logprobs, sampled = self.executor.execute_model(sched.scheduled, block_ids)
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs, sampled)
+        self._publish_kv_events()
         return outputs, self.scheduler.make_stats(sched, len(self.structured_outputs.pending))
+
+    def _publish_kv_events(self) -> None:
+        """This step's KV-cache events, as one batch (the publisher's thread builds and sends it)."""
+        if self.kv_events is not None:
+            records = self.kv.take_events()
+            if records:
+                self.kv_events.publish(records)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache; an AllBlocksCleared event). Only while no
+        request holds a block: returns False, changing nothing, otherwise."""
+        ok = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        if ok:
+            logger.info("prefix cache reset")
+        return ok
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Move requests whose grammar finished compiling into the scheduler; a failed compile ends the

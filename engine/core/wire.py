@@ -13,10 +13,14 @@ from tokenmill.engine.core import EngineCoreOutput, EngineCoreRequest, Scheduler
 from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.sampling_params import SamplingParams
 
-# API process -> core
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
-# core -> API process
+# API process -> core. UTILITY: (UTILITY, call id, method, args), a call of one of EngineCore's
+# UTILITY_METHODS between steps (vLLM's utility requests), answered by one UTILITY_RESULT.
+ADD, ABORT, SHUTDOWN, UTILITY = "add", "abort", "shutdown", "utility"
+# core -> API process. UTILITY_RESULT: (UTILITY_RESULT, call id, ok, the method's result or the error).
 READY, STARTUP_ERROR, OUTPUTS, REJECT, FATAL = "ready", "startup_error", "outputs", "reject", "fatal"
+UTILITY_RESULT = "utility_result"
+# The EngineCore methods a UTILITY message may call (plain arguments and results: they cross as msgpack).
+UTILITY_METHODS = frozenset({"reset_prefix_cache"})
 
 
 _OUTPUT_FIELDS = [f.name for f in dataclasses.fields(EngineCoreOutput)]

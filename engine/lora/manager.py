@@ -16,7 +16,7 @@ from tokenmill.engine.distributed.parallel_state import ParallelState
 from tokenmill.engine.layers.lora import LoRASlots, LoRAStepState
 from tokenmill.engine.lora.peft import read_adapter
 from tokenmill.engine.lora.weights import LoRAWeights, load_lora_weights
-from tokenmill.engine.lora_memory import FUSED_TARGETS, lora_shapes
+from tokenmill.engine.lora_memory import FUSED_TARGETS, lora_dtype, lora_shapes
 from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.model_config import ModelConfig
 
@@ -40,8 +40,8 @@ class LoRAModelManager:
         """Give every decoder layer of `model` (this rank's stage and shard) its slots."""
         self.mc, self.par = mc, par
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
-        self.dtype = dtype
-        self.state = LoRAStepState(max_loras, device.type == "cuda", max_rows, dtype, device)
+        self.dtype = getattr(torch, lora_dtype(device.type, str(dtype).removeprefix("torch.")))
+        self.state = LoRAStepState(max_loras, device.type == "cuda", max_rows, self.dtype, device)
         self.shapes = lora_shapes(
             mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size,
             par.tp_size,
@@ -49,8 +49,8 @@ class LoRAModelManager:
         self.layer_slots: list[dict[str, LoRASlots]] = []
         for layer in model.model.layers:
             slots = {
-                fused: LoRASlots(self.state, parts, max_lora_rank, fan_in, fan_out, dtype, device)
-                for fused, (parts, fan_in, fan_out) in self.shapes.items()
+                fused: LoRASlots(self.state, max_lora_rank, fan_in, outs, self.dtype, device)
+                for fused, (fan_in, outs) in self.shapes.items()
             }
             layer.self_attn.lora = {k: slots[k] for k in ("qkv_proj", "o_proj")}
             layer.mlp.lora = {k: slots[k] for k in ("gate_up_proj", "down_proj")}
@@ -63,7 +63,7 @@ class LoRAModelManager:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for slots in self.layer_slots for s in slots.values()
-                   for t in (s.a, s.b))  # fmt: skip
+                   for t in (s.a, *s.b))  # fmt: skip
 
     # ---- the host cache ---------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> LoRAWeights:

@@ -1,11 +1,12 @@
 """One adapter's weights on one rank, in the slot layout (engine/lora_memory.py): per local layer and fused
-projection, A [parts x R, in] with each part's lora_A in its rank band and B [out, parts x R] block-diagonal
-(each part's lora_B, times PEFT's scale, in its rows and its band), zero elsewhere.
+projection, A [in, parts x R] with each part's lora_A (transposed) in its rank band, and per part
+B [R, out] (its lora_B transposed, times PEFT's scale); ranks below R and parts the adapter leaves alone
+are zeros.
 
 Tensor parallel: sharded as the base weight is (model/sharding.py). Column-parallel projections (q/k/v,
-gate/up) keep A whole and take this rank's rows of B; row-parallel ones (o, down) take this rank's input
-columns of A and keep B whole: each rank's x_shard @ A_shard.T is a partial sum, and its product with B is
-added to the base projection's partial output before the one all-reduce that sums them.
+gate/up) keep A whole and take this rank's rows of lora_B; row-parallel ones (o, down) take this rank's
+input columns of lora_A and keep lora_B whole: each rank's x_shard @ A_shard is a partial sum, and its
+product with B is added to the base projection's partial output before the one all-reduce that sums them.
 """
 
 import io
@@ -25,22 +26,19 @@ _FUSED_OF = {module: fused for fused, parts in FUSED_TARGETS.items() for module 
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 
+SlotWeights = tuple[torch.Tensor, list[torch.Tensor]]  # A [in, parts x R], each part's B [R, out]
+
 
 @dataclass(slots=True)
 class LoRAWeights:
     lora_int_id: int
-    # local layer -> fused projection -> (A, B); a projection the adapter leaves alone is absent.
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    # local layer -> fused projection -> its SlotWeights; a projection the adapter leaves alone is absent.
+    layers: list[dict[str, SlotWeights]]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for ab in layer.values() for t in ab)
-
-
-def _row_offsets(mc: ModelConfig, par: ParallelState) -> dict[str, int]:
-    """First row of each PEFT module's output within its fused projection on this rank."""
-    q, kv, inter = sharding.local_sizes(mc, par)
-    return {"q_proj": 0, "k_proj": q, "v_proj": q + kv, "o_proj": 0, "gate_proj": 0, "up_proj": inter, "down_proj": 0}
+        return sum(a.numel() * a.element_size() + sum(b.numel() * b.element_size() for b in bs)
+                   for layer in self.layers for a, bs in layer.values())  # fmt: skip
 
 
 def load_lora_weights(
@@ -49,15 +47,14 @@ def load_lora_weights(
     mc: ModelConfig,
     par: ParallelState,
     max_lora_rank: int,
-    fused_shapes: dict[str, tuple[int, int, int]],
+    fused_shapes: dict[str, tuple[int, tuple[int, ...]]],
     num_local_layers: int,
     dtype: torch.dtype,
 ) -> LoRAWeights:
     """Read the adapter's tensors (this rank's layers and shards), scaled and laid out for the slots.
-    fused_shapes: fused projection -> (parts, in, out) on this rank (lora_memory.lora_shapes)."""
+    fused_shapes: fused projection -> (in, each part's out) on this rank (lora_memory.lora_shapes)."""
     R = max_lora_rank
-    offsets = _row_offsets(mc, par)
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_local_layers)]
+    layers: list[dict[str, SlotWeights]] = [{} for _ in range(num_local_layers)]
     files: dict[pathlib.Path, io.BufferedReader] = {}
     try:
         for (layer, module), ab in info.tensors.items():
@@ -67,27 +64,25 @@ def load_lora_weights(
                 continue  # another pipeline stage's layer
             local_layer = int(local.split(".")[2])
             a = _read(files, ab.a).float()
-            b = _read(files, ab.b).float()
-            r = a.shape[0]
-            b = b * lora_scaling(info.lora_alpha, r, info.use_rslora)
+            b = _read(files, ab.b).float() * lora_scaling(info.lora_alpha, ab.a.shape[0], info.use_rslora)
             # The base weight's split: row parallel splits A's input columns, column parallel B's rows.
             if module in ROW_PARALLEL:
                 a = sharding.shard_tensor(base_key, a, mc, par)
             else:
                 b = sharding.shard_tensor(base_key, b, mc, par)
             fused = _FUSED_OF[module]
-            parts, fan_in, fan_out = fused_shapes[fused]
+            fan_in, outs = fused_shapes[fused]
             if fused not in layers[local_layer]:
-                layers[local_layer][fused] = (torch.zeros(parts * R, fan_in), torch.zeros(fan_out, parts * R))
-            fa, fb = layers[local_layer][fused]
-            band = FUSED_TARGETS[fused].index(module) * R
-            row = offsets[module]
-            fa[band : band + r] = a
-            fb[row : row + b.shape[0], band : band + r] = b
+                layers[local_layer][fused] = (torch.zeros(fan_in, len(outs) * R), [torch.zeros(R, n) for n in outs])
+            fa, fbs = layers[local_layer][fused]
+            part = FUSED_TARGETS[fused].index(module)
+            r = a.shape[0]
+            fa[:, part * R : part * R + r] = a.T
+            fbs[part][:r] = b.T
     finally:
         for f in files.values():
             f.close()
-    cast = [{k: (a.to(dtype), b.to(dtype)) for k, (a, b) in layer.items()} for layer in layers]
+    cast = [{k: (a.to(dtype), [b.to(dtype) for b in bs]) for k, (a, bs) in layer.items()} for layer in layers]
     return LoRAWeights(lora_int_id, cast)
 
 

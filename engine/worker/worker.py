@@ -26,7 +26,7 @@ from tokenmill.engine.model.weight_codes_cache import open_cache, save_cache
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.worker.cpu_weights import WeightPlan, loading_hooks, plan_weights, prepare_weights
-from tokenmill.engine.worker.device import DTYPES
+from tokenmill.engine.worker.device import DTYPES, KV_CACHE_TORCH_DTYPES
 from tokenmill.engine.worker.engine_plan import CUDA_KV_CACHE_FRACTION, EnginePlan
 from tokenmill.engine.worker.model_runner import ModelRunner
 from tokenmill.engine.worker.step_input import StepInput
@@ -109,14 +109,15 @@ class Worker:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.plan.max_model_len,
             dtype=self.dtype,
+            kv_cache_dtype=KV_CACHE_TORCH_DTYPES[self.plan.kv_cache_dtype],
             device=self.device,
             enforce_eager=cfg.enforce_eager,
             hidden_size=mc.hidden_size,
             par=par,
             lora=self.lora,
         )
-        logger.info("rank %d (tp %d, pp %d) ready: %d KV blocks on %s", par.rank, par.tp_rank, par.pp_rank,
-                    num_blocks, self.device)  # fmt: skip
+        logger.info("rank %d (tp %d, pp %d) ready: %d KV blocks (%s) on %s", par.rank, par.tp_rank, par.pp_rank,
+                    num_blocks, self.plan.kv_cache_dtype, self.device)  # fmt: skip
 
     def execute_model(
         self, scheduled: list[tuple[Request, int]], block_ids: list[list[int]]
