@@ -210,3 +210,15 @@ def test_envoy_is_ready_only_while_its_health_check_of_the_picker_passes():
     hcm = ready["filter_chains"][0]["filters"][0]["typed_config"]
     health = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.health_check")
     assert health["typed_config"]["cluster_min_healthy_percentages"] == {"ext_proc": {"value": 100}}
+
+
+def test_a_service_with_lora_adapters_gets_the_lora_affinity_scorer():
+    spec = routed()
+    spec["model"] = {**spec["model"], "lora": {"adapters": [{"name": "sql", "uri": "pvc://adapters/sql"}]}}
+    _s, _p, _d, objs = children(spec)
+    config = yaml.safe_load(objs[("ConfigMap", "chat-router")]["data"]["endpoint-picker.yaml"])
+    (profile,) = config["schedulingProfiles"]
+    assert {"pluginRef": "lora-affinity-scorer", "weight": 1.0} in profile["plugins"]
+    assert {"type": "lora-affinity-scorer"} in config["plugins"]
+    _s, _p, _d, plain = children(routed())
+    assert "lora-affinity" not in plain[("ConfigMap", "chat-router")]["data"]["endpoint-picker.yaml"]

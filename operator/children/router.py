@@ -59,7 +59,9 @@ def _metadata(spec: ServiceSpec, component: str) -> dict:
 
 
 def router_config(spec: ServiceSpec, plan: SizingPlan, request_ttl_seconds: int) -> dict:
-    data = {PICKER_CONFIG_KEY: yaml.safe_dump(endpoint_picker_config(plan, request_ttl_seconds), sort_keys=False)}
+    # LoRA adapters (spec.model.lora): the picker also prefers a pod that has the request's adapter loaded.
+    picker = endpoint_picker_config(plan, request_ttl_seconds, lora=spec.lora is not None)
+    data = {PICKER_CONFIG_KEY: yaml.safe_dump(picker, sort_keys=False)}
     if spec.routing.gateway_name is None:
         data[ENVOY_CONFIG_KEY] = yaml.safe_dump(envoy_bootstrap(request_ttl_seconds), sort_keys=False)
     return stamp({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec, "router"), "data": data})
