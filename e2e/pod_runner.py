@@ -69,6 +69,7 @@ def _torch_extensions_dir() -> Path:
 TORCH_EXTENSIONS_DIR = _torch_extensions_dir()
 BACKOFF_START_S, BACKOFF_MAX_S = 10.0, 300.0  # the kubelet's crash-loop back-off
 TICK_S = 0.25
+CONFIGMAP_SYNC_S = 5.0  # how often ConfigMap volumes are brought up to date (DEVIATIONS)
 NOT_REWRITTEN = ("/dev/shm",)  # the machine's shared memory is the pod's
 # A pod's DNS name under its headless Service (what LWS_LEADER_ADDRESS holds): HOST.SUBDOMAIN.NAMESPACE...
 _LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
@@ -104,6 +105,9 @@ DEVIATIONS = (
     "gets KUBECONFIG naming the API server, that volume's ca.crt and token (client-go's in-cluster path "
     "/var/run/secrets/kubernetes.io/serviceaccount is fixed and there is no mount namespace); the token is the "
     "pod's own, from the TokenRequest API, bound to the pod",
+    f"ConfigMap volumes: refreshed every {CONFIGMAP_SYNC_S:g} s (the kubelet: its sync period plus its cache's TTL, "
+    "about a minute), each changed file written beside and renamed over the old one as the kubelet's atomic "
+    "writer swaps them",
 )
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -757,11 +761,37 @@ class PodWorker(threading.Thread):
                 if "terminated" in run.state:  # restartPolicy Never: the pod has failed
                     return
                 self.stopping.wait(TICK_S)
+        next_sync = time.monotonic() + CONFIGMAP_SYNC_S
         while not self.stopping.is_set():
             for run in self.containers:
                 self._step(run)
             self._write_status()
+            if time.monotonic() >= next_sync:
+                next_sync = time.monotonic() + CONFIGMAP_SYNC_S
+                self._refresh_config_maps()
             self.stopping.wait(TICK_S)
+
+    def _refresh_config_maps(self) -> None:
+        """ConfigMap volumes brought up to date while the pod runs, as the kubelet does (mounts without
+        subPath): a changed file is written beside the old one and renamed over it."""
+        for v in self.pod["spec"].get("volumes") or []:
+            if "configMap" not in v or v["name"] not in self.volumes:
+                continue
+            source = v["configMap"]
+            try:
+                data = self.api.data("ConfigMap", self.namespace, source.get("name"))
+            except Exception as e:  # transient API failure: the next sync tries again
+                self.api_errors.append(repr(e)[:300])
+                continue
+            if data is None:
+                continue
+            for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+                target = self.volumes[v["name"]] / item["path"]
+                if item["key"] not in data or (target.exists() and target.read_text() == data[item["key"]]):
+                    continue
+                fresh = target.with_name(f".{target.name}.new")
+                fresh.write_text(data[item["key"]])
+                os.replace(fresh, target)
 
     def _step(self, run: ContainerRun) -> None:
         if run.proc is None:
