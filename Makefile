@@ -73,8 +73,8 @@ clean: cluster-down
 # ---- e2e: a real local control plane (see docs/e2e.md) ----
 # The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
 # later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
-.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools kueue-tools epp-tools prometheus chart-crds images image-tools dockerfile-check
-e2e-deps: cluster-tools gitops-tools lws-tools kueue-tools epp-tools prometheus images dockerfile-check
+.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools kueue-tools epp-tools llmd-tools prometheus chart-crds images image-tools dockerfile-check
+e2e-deps: cluster-tools gitops-tools lws-tools kueue-tools epp-tools llmd-tools prometheus images dockerfile-check
 
 # Only the end-to-end suite (make test runs it too).
 e2e: $(STAMP) e2e-deps
@@ -101,6 +101,9 @@ kueue-tools:
 epp-tools:
 	bash e2e/build_epp.sh >/dev/null
 	bash e2e/build_epp_metrics_check.sh >/dev/null
+
+llmd-tools:
+	bash e2e/build_llmd_indexer_check.sh >/dev/null
 
 prometheus:
 	@command -v prometheus >/dev/null || { \
