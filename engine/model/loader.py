@@ -39,18 +39,6 @@ def checkpoint_is_float32(path: pathlib.Path) -> bool:
         return False  # load_weights reports what is wrong with the files
 
 
-def _weight_targets(config: ModelConfig, par: "ParallelState") -> dict[str, tuple[str, int, int]]:
-    """HF projection name -> (our fused parameter name, first row, number of rows) within it."""
-    q, kv, inter = sharding.local_sizes(config, par)
-    return {
-        "q_proj": ("qkv_proj", 0, q),
-        "k_proj": ("qkv_proj", q, kv),
-        "v_proj": ("qkv_proj", q + kv, kv),
-        "gate_proj": ("gate_up_proj", 0, inter),
-        "up_proj": ("gate_up_proj", inter, inter),
-    }
-
-
 FP32Hooks = dict[str, Callable[[torch.Tensor], bool]]
 
 
@@ -75,7 +63,7 @@ def load_weights(
 
     par = SINGLE if par is None else par
     params = dict(model.named_parameters())
-    targets = _weight_targets(config, par)
+    targets = sharding.weight_targets(config, par)
     hooks = fp32_hooks or {}
     # Parameter name -> the checkpoint tensors that fill it: (tensor, first row, rows; None unfused).
     sources: dict[str, list[tuple[TensorInfo, int, int | None]]] = {}
@@ -183,6 +171,7 @@ def load_model(
     With a ParallelState: this rank's shard only. fp32_hooks(model), called once the model's storage
     exists: the parameters to hand to a hook in float32 before they are cast (load_weights)."""
     from tokenmill.engine.distributed.parallel_state import SINGLE
+    from tokenmill.engine.model.gguf_weights import codes_supported, gguf_weights_file, load_gguf_weights
     from tokenmill.engine.models.llama import LlamaForCausalLM
 
     path = pathlib.Path(path)
@@ -191,6 +180,13 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, SINGLE if par is None else par)
     materialize(model, dtype, torch.device(device))
-    load_weights(model, config, path, par, None if fp32_hooks is None else fp32_hooks(model))
+    hooks = None if fp32_hooks is None else fp32_hooks(model)
+    gguf = gguf_weights_file(path)
+    if gguf is not None:  # a GGUF's cache folder: the weights come from the file's blocks
+        par = SINGLE if par is None else par
+        codes = codes_supported(torch.device(device), dtype, par.tp_size)
+        load_gguf_weights(model, config, gguf, par, codes, hooks)
+    else:
+        load_weights(model, config, path, par, hooks)
     model.requires_grad_(False)
     return model.eval()
