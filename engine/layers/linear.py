@@ -180,6 +180,8 @@ class Linear(nn.Linear):
         codes and its [out, in] fp32 copy is dropped (unless keep_fp32); an fp32-panel weight keeps it,
         for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM. Whether the
         fp32 weight was dropped."""
+        if self.weight is None:  # loaded as codes (model/gguf_weights.py, int4_weights.py)
+            return True
         self.packed_cpu = pack_cpu_weight(self.weight, blocks, cache=cache)
         if self.packed_cpu.codes is not None and not keep_fp32:
             self.weight = None

@@ -66,7 +66,7 @@ def _dequantize(f: io.BufferedReader, t: GGUFTensor) -> np.ndarray:
     return np.asarray(w, dtype=np.float32).reshape(t.shape)
 
 
-class _PanelBuilder:
+class PanelBuilder:
     """The panel arrays of one parameter, filled chunk by chunk of rows from one or more GGUF tensors."""
 
     def __init__(self, rows: int) -> None:
@@ -132,7 +132,7 @@ def packed_weight(
     permute: tensor name -> heads, for llama.cpp's permuted Q/K rows."""
     type_name = parts[0][0].type_name
     layout = layout_of(type_name)
-    b = _PanelBuilder(rows)
+    b = PanelBuilder(rows)
     for t, first in parts:
         raw = _read(f, t)
         if t.name in permute:

@@ -48,8 +48,10 @@ def load_weights(
     path: pathlib.Path,
     par: "ParallelState | None" = None,
     fp32_hooks: FP32Hooks | None = None,
+    skip: set[str] | None = None,
 ) -> None:
     """Copy every checkpoint tensor into its (possibly fused) parameter; any gap or mismatch is an error.
+    skip: checkpoint tensors another loader has consumed (int4_weights.py's codes).
     With a ParallelState, only this rank's slices (sharding.py).
 
     Streamed (load_memory.py has the bound): parameters are filled one after another, each from the
@@ -69,6 +71,8 @@ def load_weights(
     sources: dict[str, list[tuple[TensorInfo, int, int | None]]] = {}
     for info in (t for file in _checkpoint_files(path) for t in read_header(file)):
         key = info.name
+        if skip is not None and key in skip:
+            continue
         if key.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints store the derived RoPE table
         if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -172,6 +176,7 @@ def load_model(
     exists: the parameters to hand to a hook in float32 before they are cast (load_weights)."""
     from tokenmill.engine.distributed.parallel_state import SINGLE
     from tokenmill.engine.model.gguf_weights import codes_supported, gguf_weights_file, load_gguf_weights
+    from tokenmill.engine.model.int4_weights import int4_config, load_int4_linears
     from tokenmill.engine.models.llama import LlamaForCausalLM
 
     path = pathlib.Path(path)
@@ -181,12 +186,48 @@ def load_model(
         model = LlamaForCausalLM(config, SINGLE if par is None else par)
     materialize(model, dtype, torch.device(device))
     hooks = None if fp32_hooks is None else fp32_hooks(model)
+    par = SINGLE if par is None else par
+    codes = codes_supported(torch.device(device), dtype, par.tp_size)
     gguf = gguf_weights_file(path)
+    int4 = int4_config(path) if gguf is None else None
     if gguf is not None:  # a GGUF's cache folder: the weights come from the file's blocks
-        par = SINGLE if par is None else par
-        codes = codes_supported(torch.device(device), dtype, par.tp_size)
         load_gguf_weights(model, config, gguf, par, codes, hooks)
+    elif int4 is not None:  # AWQ / GPTQ: the quantized linears as codes, the rest as tensors
+        if par.tp_size > 1:
+            raise ValueError(f"{path}: {int4.method} checkpoints are not supported with tensor parallelism")
+        consumed = load_int4_linears(model, config, path, int4, par)
+        hooks = {**keep_codes_biases(model, codes), **(hooks or {})}
+        load_weights(model, config, path, par, hooks, skip=consumed)
+        if not codes:
+            dequantize_codes(model)
     else:
         load_weights(model, config, path, par, hooks)
     model.requires_grad_(False)
     return model.eval()
+
+
+def keep_codes_biases(model: torch.nn.Module, codes: bool) -> FP32Hooks:
+    """Hooks that keep the fp32 bias of every linear held as codes (the codes kernels add it in fp32)."""
+    from tokenmill.engine.layers.linear import Linear
+
+    if not codes:
+        return {}
+    return {
+        f"{name}.bias": module.keep_fp32_bias
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.packed_cpu is not None and module.bias is not None
+    }
+
+
+def dequantize_codes(model: torch.nn.Module) -> None:
+    """Where the codes kernels cannot run (another device, fp16, no compiler): each linear's codes
+    dequantized into a weight of the model's dtype (one weight's fp32 values at a time)."""
+    from tokenmill.engine.layers.linear import Linear
+
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    device = next(model.parameters()).device
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is None and module.packed_cpu is not None:
+            w = module.packed_cpu.dequantize(dtype)
+            module.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
+            module.packed_cpu = None

@@ -334,6 +334,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_cpu(blocks, keep_fp32, cache)
         if self.par.is_last_stage:
+            if self.lm_head is None and self.model.embed_tokens.weight is None:
+                return  # loaded as codes: lm_head_packed_cpu holds them
             if self.lm_head is None:
                 embed = self.model.embed_tokens
                 self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False, cache=cache)
