@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 from tokenmill.engine import gguf_header, quant_memory
+from tokenmill.engine.bench.gguf_quantize import dequantize, quantize
 from tokenmill.engine.layers.grouped_codes import GroupedPackedWeight, grouped_codes
 from tokenmill.engine.model import gguf_blocks
 from tokenmill.engine.model.bundled import bundled_gguf_path
 from tokenmill.engine.quant_memory import CODES_GGUF, GROUPED_GGUF
-
-from tests.gguf_quants import dequantize, quantize
 
 ALL_TYPES = sorted(GROUPED_GGUF) + sorted(CODES_GGUF)
 

@@ -6,13 +6,12 @@ the dequantized rows; the torch fallback (CUDA, no compiler) computes the same l
 import numpy as np
 import pytest
 import torch
+from tokenmill.engine.bench.gguf_quantize import dequantize, quantize
 from tokenmill.engine.layers.grouped_codes import CodesEmbedding, GroupedPackedWeight, SplitPackedWeight
 from tokenmill.engine.layers.linear import CpuPackedWeight
 from tokenmill.engine.model.gguf_weights import _codes_panels, _grouped_panels
 from tokenmill.engine.quant_memory import GROUPED_GGUF
 from tokenmill.kernels import cpu as cpu_kernels
-
-from tests.gguf_quants import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C++ CPU kernels")
 

@@ -78,11 +78,10 @@ def write_gguf(
     types: dict[str, str] | None = None,
 ) -> pathlib.Path:
     """Write hf_dir's weights and config as llama.cpp would: F32 tensors (Q8_0 for names in quantize; the
-    GGUF type types[name] for names there, K-quants by tests/gguf_quants.py)."""
+    GGUF type types[name] for names there, K-quants by engine/bench/gguf_quantize.py)."""
     import gguf
     from safetensors.torch import load_file
-
-    from tests import gguf_quants
+    from tokenmill.engine.bench import gguf_quantize as gguf_quants
 
     types = {**{name: "Q8_0" for name in quantize}, **(types or {})}
 

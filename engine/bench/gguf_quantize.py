@@ -1,12 +1,12 @@
-"""GGUF quantization for test fixtures: gguf-py's quantizers where it has them (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0), and simple K-quant quantizers written here (gguf-py 0.19 dequantizes Q4_K, Q5_K and Q6_K but cannot
-quantize them). The K-quant blocks follow the byte layout gguf-py's dequantize_blocks reads (llama.cpp's
+"""GGUF quantization for benchmark models (quant_model.py) and test fixtures: gguf-py's quantizers where it
+has them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and simple K-quant quantizers written here (gguf-py 0.19
+dequantizes Q4_K, Q5_K and Q6_K but cannot quantize them). The K-quant blocks follow the byte layout gguf-py's dequantize_blocks reads (llama.cpp's
 block_q4_K / block_q5_K / block_q6_K); the scale search is the plain min/max one, not llama.cpp's
 iterative fit, so the error is larger than llama-quantize's but every block is valid. What the tests
 compare against is gguf-py's dequantization of these very bytes, so the quantizer's quality does not
 enter any assertion beyond a loose round-trip check.
 
-Self-contained (numpy and gguf only): the 1B-model script (engine/bench/quant_model.py) imports it by path.
+numpy and gguf only: no CI job needs llama.cpp's llama-quantize.
 """
 
 import numpy as np
