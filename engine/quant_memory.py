@@ -70,11 +70,14 @@ def codes_bytes(bits: int, rows: int, cols: int, half_scales: bool) -> int:
     return n * cols * bits // 8 + 2 * n * (cols // 32) * (2 if half_scales else 4)
 
 
-def tensor_bytes(type_name: str, shape: tuple[int, ...], dtype: str, half_scales: bool) -> int:
-    """Bytes one GGUF tensor takes once loaded for a model served in `dtype`."""
+def tensor_bytes(type_name: str, shape: tuple[int, ...], dtype: str, half_scales: bool, codes: bool = True) -> int:
+    """Bytes one GGUF tensor takes once loaded for a model served in `dtype` (`codes`: where the engine
+    keeps codes, a CPU serving fp32 or bf16; elsewhere every tensor is dequantized to the dtype)."""
     elements = 1
     for d in shape:
         elements *= d
+    if not codes and type_name in SUPPORTED_GGUF:
+        return elements * kv_memory.dtype_bytes(dtype)
     if len(shape) == 2 and type_name in GROUPED_GGUF:
         return grouped_bytes(GROUPED_GGUF[type_name], *shape)
     if len(shape) == 2 and type_name in CODES_GGUF:
@@ -82,6 +85,15 @@ def tensor_bytes(type_name: str, shape: tuple[int, ...], dtype: str, half_scales
     if type_name not in SUPPORTED_GGUF:
         raise ValueError(f"GGUF tensor type {type_name} is not supported; supported: {', '.join(sorted(SUPPORTED_GGUF))}")
     return elements * kv_memory.dtype_bytes(dtype)
+
+
+def codes_held(device_type: str, dtype: str, tensor_parallel: int, bf16_dot: bool) -> bool:
+    """Whether the engine keeps quantized weights as codes (model/gguf_weights.codes_supported adds that
+    the C++ kernels built): on a CPU rank holding every weight (no tensor parallelism) serving fp32, or
+    bf16 where the CPU has AVX-512 BF16. Elsewhere they are dequantized to the dtype at load."""
+    if device_type != "cpu" or tensor_parallel != 1:
+        return False
+    return dtype == "float32" or (dtype == "bfloat16" and bf16_dot)
 
 
 def half_scales(dtype: str) -> bool:
@@ -106,15 +118,88 @@ class QuantizedWeights:
         return self.loaded_bytes / max(1, self.parameters)
 
 
-def gguf_weights(tensors: list, dtype: str) -> QuantizedWeights:
+def gguf_weights(tensors: list, dtype: str, codes: bool = True) -> QuantizedWeights:
     """QuantizedWeights of a GGUF's tensor table (gguf_header.GGUFTensor). A tied embedding (no
     output.weight) is held once: the same codes serve the embedding and the LM head."""
     loaded = file_bytes = params = largest = 0
     types: dict[str, int] = {}
     for t in tensors:
-        loaded += tensor_bytes(t.type_name, t.shape, dtype, half_scales(dtype))
+        loaded += tensor_bytes(t.type_name, t.shape, dtype, half_scales(dtype), codes)
         file_bytes += t.nbytes
         params += t.elements
         largest = max(largest, t.nbytes)
         types[t.type_name] = types.get(t.type_name, 0) + t.elements
     return QuantizedWeights("gguf", file_bytes, loaded, largest, params, types)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def config_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor a Llama-family checkpoint with this config.json stores."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
+    out = [("model.embed_tokens.weight", (vocab, hidden)), ("model.norm.weight", (hidden,))]
+    if not config.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (vocab, hidden)))
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
+        for name, shape in shapes.items():
+            kind = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            out.append((f"{p}{kind}.{name}.weight", shape))
+            if bias and name in ("q_proj", "k_proj", "v_proj"):
+                out.append((f"{p}{kind}.{name}.bias", (shape[0],)))
+        if config.get("model_type") == "qwen3":
+            out += [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,))]
+    return out
+
+
+def int4_group_size(config: dict) -> int | None:
+    """The AWQ / GPTQ group size of a config.json's quantization_config (the whole input row for -1), or
+    None when its weights are not int4 (no quantization_config, or another method: refused at load)."""
+    q = config.get("quantization_config") or {}
+    if str(q.get("quant_method", "")).lower() not in ("awq", "gptq") or q.get("bits", q.get("w_bit")) != 4:
+        return None
+    return int(q.get("group_size", q.get("q_group_size", 128)))
+
+
+def config_weights(config: dict, dtype: str, codes: bool) -> QuantizedWeights:
+    """QuantizedWeights of a safetensors checkpoint from its config.json alone (what `serve --check` and the
+    operator have): AWQ / GPTQ projections as grouped codes where the engine keeps codes (`codes`: a CPU
+    serving fp32 or bf16), else every weight in the served dtype (on a GPU the engine dequantizes int4
+    weights at load: there are no GPU codes kernels yet). file_bytes: int4 projections at 4 bits plus an
+    fp16 scale and a packed zero per group, the rest in fp16 (AWQ and GPTQ checkpoints store fp16)."""
+    group = int4_group_size(config)
+    stored_dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    file_elem = 2 if group is not None else kv_memory.DTYPE_BYTES.get(stored_dtype, 2)
+    loaded = file_bytes = params = largest = 0
+    types: dict[str, int] = {}
+    for name, shape in config_tensors(config):
+        elements = 1
+        for d in shape:
+            elements *= d
+        params += elements
+        quantized = group is not None and name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS
+        if quantized:
+            g = shape[1] if group == -1 else group
+            stored = elements // 2 + elements // g * 2 + elements // g // 2
+            held = grouped_bytes(int4_group_format(g), *shape) if codes else elements * kv_memory.dtype_bytes(dtype)
+            kind = "int4"
+        else:
+            stored = elements * file_elem
+            held = elements * kv_memory.dtype_bytes(dtype)
+            kind = dtype
+        loaded += held
+        file_bytes += stored
+        largest = max(largest, stored)
+        types[kind] = types.get(kind, 0) + elements
+    method = str((config.get("quantization_config") or {}).get("quant_method", "none")).lower()
+    return QuantizedWeights(method if group is not None else "none", file_bytes, loaded, largest, params, types)

@@ -77,6 +77,7 @@ def plan_status(p: SizingPlan, profile: ModelProfile | None) -> dict:
         "maxNumSeqs": p.max_num_seqs,
         "targetQueueDepth": p.target_queue_depth,
         "hostMemoryBytes": p.host_memory_bytes,
+        **({"quantization": profile.quantization} if profile is not None and profile.quantization else {}),
     }
 
 
@@ -88,7 +89,8 @@ def hub_status(hub_model: HubModel, profile: ModelProfile | None) -> dict:
         out["weightsBytes"] = hub_model.weights_bytes
     if profile is not None and profile.source.startswith("hub"):
         out["configFile"] = f"config.json at {hub_model.commit}"
-        out["parametersFrom"] = "safetensors metadata" if hub_model.parameters else "estimated from config.json"
+        counted = hub_model.parameters and not profile.quantization  # int4 metadata counts packed words
+        out["parametersFrom"] = "safetensors metadata" if counted else "estimated from config.json"
     return out
 
 

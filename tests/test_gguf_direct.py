@@ -173,3 +173,11 @@ def test_the_bundled_model_runs_the_codes_its_fp32_copy_is_searched_for(bundled_
         steps += [_forward_all(m, kv, [seq], [[2, 5]], [i], [1]) for i in range(prompt, len(seq))]
         logits.append(torch.cat(steps))
     assert torch.equal(*logits)
+
+
+def test_where_no_codes_kernel_runs_the_weights_are_dequantized_at_load(quantized) -> None:
+    folder, copy, _ = quantized
+    ours = load_model(folder, load_model_config(folder), torch.float16, "cpu")
+    twin = load_model(copy, load_model_config(copy), torch.float16, "cpu")
+    mine, theirs = dict(ours.named_parameters()), dict(twin.named_parameters())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

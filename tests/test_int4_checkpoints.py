@@ -139,3 +139,13 @@ def test_act_order_checkpoints_are_refused(checkpoints, tmp_path) -> None:
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"down_proj is quantized with act-order \(desc_act"):
         load_model(folder, load_model_config(folder), torch.float32, "cpu")
+
+
+def test_where_no_codes_kernel_runs_the_weights_are_dequantized_at_load(checkpoints) -> None:
+    """fp16 on a CPU (as on a GPU, or without the C++ kernels): each linear's codes dequantized into its
+    parameter, equal to the twin's weights cast to the dtype."""
+    int4, ref = checkpoints[("gptq", "llama", False)]
+    ours = load_model(int4, load_model_config(int4), torch.float16, "cpu")
+    twin = load_model(ref, load_model_config(ref), torch.float16, "cpu")
+    mine, theirs = dict(ours.named_parameters()), dict(twin.named_parameters())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

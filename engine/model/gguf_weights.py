@@ -30,7 +30,7 @@ from tokenmill.engine.model import gguf_blocks, sharding
 from tokenmill.engine.model.gguf_cache import WEIGHTS_LINK
 from tokenmill.engine.model.gguf_convert import GGUFError, hf_tensor_name, unpermute_qk
 from tokenmill.engine.model_config import ModelConfig
-from tokenmill.engine.quant_memory import CODES_GGUF, GROUPED_GGUF, SUPPORTED_GGUF
+from tokenmill.engine.quant_memory import CODES_GGUF, GROUPED_GGUF, SUPPORTED_GGUF, codes_held
 
 _CHUNK_ROWS = 1024  # rows decoded at a time: a multiple of 16 (panels), a few MB of temporaries
 
@@ -158,7 +158,8 @@ def codes_supported(device: torch.device, dtype: torch.dtype, tp_size: int) -> b
     from tokenmill.engine.layers.cpu_gemm_policy import bf16_dot_supported, cpu_linear_mode
     from tokenmill.kernels import cpu as cpu_kernels
 
-    if device.type != "cpu" or tp_size != 1 or cpu_linear_mode() != "1" or dtype not in (torch.float32, torch.bfloat16):
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not codes_held(device.type, dtype_name, tp_size, True) or cpu_linear_mode() != "1":
         return False
     ops = cpu_kernels.load()
     if ops is None or not ops.packed_linear_supported():

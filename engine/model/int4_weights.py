@@ -111,10 +111,11 @@ def quantized_modules(tensors: list[TensorInfo]) -> dict[str, dict[str, TensorIn
 
 
 def load_int4_linears(
-    model: torch.nn.Module, config: ModelConfig, path: pathlib.Path, cfg: Int4Config, par: object
+    model: torch.nn.Module, config: ModelConfig, path: pathlib.Path, cfg: Int4Config, par: object, codes: bool
 ) -> set[str]:
     """Build every quantized linear's grouped weight (fused q/k/v and gate/up in their parameter's row
-    order) and attach it; returns the checkpoint tensor names consumed."""
+    order) and attach it, or without `codes` dequantize it into its parameter at once (one weight's
+    codes on the host at a time); returns the checkpoint tensor names consumed and the parameters filled."""
     from tokenmill.engine.layers.grouped_codes import GroupedPackedWeight
     from tokenmill.engine.layers.linear import Linear
     from tokenmill.engine.model.gguf_weights import PanelBuilder
@@ -174,7 +175,11 @@ def load_int4_linears(
             module = model.get_submodule(name.rsplit(".", 1)[0])
             if not isinstance(module, Linear):
                 raise ValueError(f"{path}: quantized tensors for {name}, which is not a linear layer")
-            module.packed_cpu, module.weight = packed, None
+            if codes:
+                module.packed_cpu, module.weight = packed, None
+            else:  # another device, fp16, no C++ kernels: the weights in the served dtype
+                param.data.copy_(packed.dequantize(param.dtype))
+                consumed.add(name)
     finally:
         for f in files.values():
             f.close()

@@ -51,7 +51,8 @@ def load_weights(
     skip: set[str] | None = None,
 ) -> None:
     """Copy every checkpoint tensor into its (possibly fused) parameter; any gap or mismatch is an error.
-    skip: checkpoint tensors another loader has consumed (int4_weights.py's codes).
+    skip: checkpoint tensors another loader has consumed, and parameter names it has filled
+    (int4_weights.py's codes).
     With a ParallelState, only this rank's slices (sharding.py).
 
     Streamed (load_memory.py has the bound): parameters are filled one after another, each from the
@@ -89,7 +90,7 @@ def load_weights(
             raise ValueError(f"{info.file}: unexpected tensor {key!r} for {config.architecture}")
         sources.setdefault(name, []).append((info, first, rows))
     # Rows of each parameter still unfilled, to report missing weights precisely.
-    unfilled = {name: p.shape[0] if p.dim() else 1 for name, p in params.items()}
+    unfilled = {name: p.shape[0] if p.dim() and name not in (skip or ()) else 0 for name, p in params.items()}
     files: dict[pathlib.Path, io.BufferedReader] = {}
     try:
         for name, param in params.items():  # the model's order: one parameter in flight at a time
@@ -195,11 +196,9 @@ def load_model(
     elif int4 is not None:  # AWQ / GPTQ: the quantized linears as codes, the rest as tensors
         if par.tp_size > 1:
             raise ValueError(f"{path}: {int4.method} checkpoints are not supported with tensor parallelism")
-        consumed = load_int4_linears(model, config, path, int4, par)
+        consumed = load_int4_linears(model, config, path, int4, par, codes)
         hooks = {**keep_codes_biases(model, codes), **(hooks or {})}
-        load_weights(model, config, path, par, hooks, skip=consumed)
-        if not codes:
-            dequantize_codes(model)
+        load_weights(model, config, path, par, hooks, skip=consumed)  # consumed: tensors and parameters
     else:
         load_weights(model, config, path, par, hooks)
     model.requires_grad_(False)
@@ -217,17 +216,3 @@ def keep_codes_biases(model: torch.nn.Module, codes: bool) -> FP32Hooks:
         for name, module in model.named_modules()
         if isinstance(module, Linear) and module.packed_cpu is not None and module.bias is not None
     }
-
-
-def dequantize_codes(model: torch.nn.Module) -> None:
-    """Where the codes kernels cannot run (another device, fp16, no compiler): each linear's codes
-    dequantized into a weight of the model's dtype (one weight's fp32 values at a time)."""
-    from tokenmill.engine.layers.linear import Linear
-
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    device = next(model.parameters()).device
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight is None and module.packed_cpu is not None:
-            w = module.packed_cpu.dequantize(dtype)
-            module.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
-            module.packed_cpu = None
