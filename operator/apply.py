@@ -14,6 +14,7 @@ from tokenmill.operator.children.leaderworkerset import as_deployment
 from tokenmill.operator.children.meta import is_owned_by
 from tokenmill.operator.children.model_source import CACHE_CLAIM_SUFFIX
 from tokenmill.operator.observe.cluster import Live
+from tokenmill.operator.observe.router import ROUTER_KINDS, RouterLive, router_child_name
 from tokenmill.operator.plan.spec import ServiceSpec
 
 log = logging.getLogger("tokenmill.operator")
@@ -47,7 +48,28 @@ def apply_children(api, spec: ServiceSpec, desired: Desired, live: Live, why: st
             api.apply(want)
             if live.objects[kind] is None:
                 events.append(("Normal", "Created", f"{kind} {spec.name}"))
+    apply_router(api, spec, desired.router, live.router, events)
     return applied
+
+
+def apply_router(api, spec: ServiceSpec, want: list[dict], live: RouterLive, events: list[Event]) -> None:
+    """The router's children (spec.routing) in order; those no longer wanted (routing turned off, or a
+    Gateway named instead of the standalone Envoy) are deleted."""
+    wanted = {obj["kind"] for obj in want}
+    for obj in want:
+        old = live.objects.get(obj["kind"])
+        if old is not None and obj["kind"] == "RoleBinding" and old.get("roleRef") != obj["roleRef"]:
+            api.delete("RoleBinding", spec.namespace, obj["metadata"]["name"])  # roleRef is immutable
+            old = None
+        if old is None or differs(obj, old):
+            api.apply(obj)
+            if old is None:
+                events.append(("Normal", "Created", _name(obj)))
+    for kind in ROUTER_KINDS:
+        if kind in live.objects and kind not in wanted:
+            api.delete(kind, spec.namespace, router_child_name(spec, kind))
+            events.append(("Normal", "Deleted", f"{kind} {router_child_name(spec, kind)}: routing is off"
+                           if spec.routing is None else f"{kind} {router_child_name(spec, kind)}: no longer used"))
 
 
 def _name(obj: dict) -> str:

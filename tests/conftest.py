@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 # TOKENMILL_CPU_TIER (kernels/cpu_probe.py). One list, so a new kernel test is added here once.
 CPU_TIER_MODULES = {
     "test_attention_cpu_direct", "test_cpu_probe", "test_decoder_layers_cpu", "test_gemm_cpu", "test_kernels_cpu",
-    "test_layers_cpu", "test_linear_bf16_codes", "test_linear_bf16_dot", "test_linear_cpu", "test_model_loader",
+    "test_kernels_kv8", "test_layers_cpu", "test_linear_bf16_codes", "test_linear_bf16_dot", "test_linear_cpu",
+    "test_model_loader",
     "test_topk_cpu",
 }  # fmt: skip
 

@@ -4,11 +4,12 @@ import pytest
 from tokenmill.operator.apply import differs
 from tokenmill.operator.children.deployment import desired_deployment
 from tokenmill.operator.children.pdb import desired_pdb
-from tokenmill.operator.children.pod import engine_args, startup_timeout_seconds
+from tokenmill.operator.children.pod import engine_args
 from tokenmill.operator.children.service import desired_service, endpoint
 from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
 from tokenmill.operator.plan.sizing import plan
 from tokenmill.operator.plan.spec import SpecError, parse_inference_service
+from tokenmill.operator.plan.startup import startup_timeout_seconds
 
 
 def isvc(spec: dict, name: str = "chat") -> dict:
@@ -42,6 +43,10 @@ def test_bundled_model_args_are_the_sized_numbers():
         "--dtype", "bfloat16", "--max-waiting-requests", "256", "--shutdown-grace-period", "110",
     ]
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 110
+    # An 8-bit cache: the resolved dtype, and the memory for the blocks sized at its bytes (96,880 x 12,240)
+    args = container(build(smol(engine={"kvCacheDtype": "fp8"}))[2])["args"]
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert args[args.index("--kv-cache-memory") + 1] == str(96_880 * 16 * 12_240)
 
 
 def test_gpu_limits_node_selection_and_tolerations():

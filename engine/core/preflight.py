@@ -37,7 +37,8 @@ def preflight(config: EngineConfig, revision: str | None = None) -> str:
     return (
         f"ok: {source.display} ({mc.architecture}, {mc.num_hidden_layers} layers, {mc.num_attention_heads} "
         f"heads / {mc.num_key_value_heads} KV heads), {plan.dtype} on {plan.device_type}, max_model_len "
-        f"{plan.max_model_len}, {pool}{held}"
+        f"{plan.max_model_len}, {pool}, KV cache {plan.kv_cache_dtype} ({plan.kv_bytes_per_token} bytes/token)"
+        f"{held}"
     )
 
 

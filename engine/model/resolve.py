@@ -41,6 +41,20 @@ def resolve_model(
     return convert_gguf_cached(path)
 
 
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def resolve_adapter(path: str | os.PathLike) -> pathlib.Path:
+    """A local folder for a LoRA adapter given as any form source.py accepts but bundled:// (hf:// and
+    ORG/NAME download the adapter's two files into the hub cache, as models are)."""
+    source = parse_model_source(path)
+    if source.scheme == "bundled":
+        raise ModelSourceError(f"{path!r} names the bundled model, not a LoRA adapter")
+    if source.scheme == "hf":
+        return download_hf(source, allow_patterns=ADAPTER_FILES)
+    return resolve_model_source(source)
+
+
 def resolve_model_if_ready(model: str | os.PathLike | None, revision: str | None = None) -> pathlib.Path | None:
     """The folder resolve_model(model, revision) returns, when finding it takes no download and no
     conversion (a local HF folder, a GGUF already converted); else None, also for anything resolve_model

@@ -49,6 +49,9 @@ from torch import nn
 
 
 class LlamaAttention(nn.Module):
+    # {"qkv_proj": LoRASlots, "o_proj": LoRASlots} when adapters are enabled (engine/lora/manager.py)
+    lora: dict | None = None
+
     def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
         self.par = par
@@ -75,6 +78,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.lora is not None:  # the step's adapter rows, before rope (engine/layers/lora.py)
+            self.lora["qkv_proj"].add(qkv, hidden)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -89,11 +94,17 @@ class LlamaAttention(nn.Module):
             q = rope.apply(q)
             k = rope.apply(k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        out = out.view(num_tokens, self.q_size)
+        o = self.o_proj(out)
+        if self.lora is not None:  # a partial product too under TP: the all-reduce sums it with the base's
+            self.lora["o_proj"].add(o, out)
         # Row parallel: each rank's partial product over its heads; the sum is the full projection.
-        return tp_all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.par)
+        return tp_all_reduce(o, self.par)
 
 
 class LlamaMLP(nn.Module):
+    lora: dict | None = None  # {"gate_up_proj": ..., "down_proj": ...}: as LlamaAttention.lora
+
     def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
         self.par = par
@@ -103,7 +114,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.par)
+        if self.lora is None:
+            return tp_all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.par)
+        gate_up = self.gate_up_proj(x)
+        self.lora["gate_up_proj"].add(gate_up, x)
+        act = silu_and_mul(gate_up)
+        down = self.down_proj(act)
+        self.lora["down_proj"].add(down, act)
+        return tp_all_reduce(down, self.par)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -158,6 +176,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    lora_state = None  # LoRAStepState when adapters are enabled (engine/lora/manager.py)
+
     def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
         self.par = par
@@ -190,7 +210,9 @@ class LlamaModel(nn.Module):
             hidden, residual = stage_input
         rope = self.rotary_emb.for_positions(positions, hidden.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i == 1 and llama_cpu_decoder.step_fits(hidden, rope, attn_metadata):
+            # The C++ layer loop knows nothing of adapters: a step with adapter rows stays in Python.
+            lora_rows = self.lora_state is not None and self.lora_state.active
+            if i == 1 and not lora_rows and llama_cpu_decoder.step_fits(hidden, rope, attn_metadata):
                 weights = self._fused_weights(kv_caches)
                 if weights is not None:  # the rest of the layers in one C++ call
                     hidden, residual = llama_cpu_decoder.run_layers(layer, weights, hidden, residual, rope, attn_metadata)

@@ -16,14 +16,16 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import EngineConfig, max_cpu_loras
 from tokenmill.engine.core.client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.engine.frontend.generation_config import default_sampling_params, describe
 from tokenmill.engine.model.source import parse_model_source
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.server.app import build_app
+from tokenmill.engine.server.errors import OpenAIError
 from tokenmill.engine.server.health import HealthConfig
+from tokenmill.engine.server.lora import LoRAServing
 from tokenmill.engine.server.prometheus import ServerMetrics
 from tokenmill.engine.server.state import ServerState
 from tokenmill.engine.server.tools.request import template_uses_tools
@@ -103,16 +105,27 @@ async def bring_up(
         logger.error("engine core died: %s; exiting with status 1", err)
         server.exit_soon(1, DEATH_EXIT_DELAY_S)
 
+    lora = None
+    if config.enable_lora:
+        try:
+            lora = await register_lora_modules(args, config, model_config, state)
+        except Exception as e:
+            logger.error("startup failed: %s", e)
+            state.status, state.status_detail = "failed", f"startup failed: {e}"
+            server.exit_soon(1)
+            return
+        metrics.enable_lora(config.max_loras)
     engine = AsyncLLM(
         client,
         tokenizer,
         info,
         max_waiting_requests=args.max_waiting_requests or None,
+        max_cpu_loras=max_cpu_loras(config),
         metrics=metrics,
         on_dead=on_dead,
     )
     engine.start()
-    state.engine, state.metrics, state.tokenizer = engine, metrics, tokenizer
+    state.engine, state.metrics, state.tokenizer, state.lora = engine, metrics, tokenizer, lora
     state.model_root = config.model
     state.vocab_size = min(len(tokenizer), model_config.vocab_size)
     state.max_model_len = capacity.max_model_len
@@ -145,6 +158,27 @@ async def bring_up(
         "" if since_start is None else f", {since_start:.1f}s after the process started",
         capacity.describe_startup() or "not reported",
     )
+
+
+async def register_lora_modules(
+    args: argparse.Namespace, config: EngineConfig, model_config: object, state: ServerState
+) -> LoRAServing:
+    """The server's adapters, --lora-modules checked and registered (downloads in a thread); any that
+    fails fails the start-up, with the reason."""
+    lora = LoRAServing(
+        state.model_name, model_config, config.max_loras, config.max_lora_rank, max_cpu_loras(config),
+        args.allow_runtime_lora_updating,
+    )  # fmt: skip
+    for module in args.lora_modules:
+        try:
+            added = await asyncio.to_thread(lora.load, module.name, module.path, set(state.served_model_names))
+        except OpenAIError as e:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e.message}") from None
+        logger.info("LoRA adapter %r (id %d) from %s", added.lora_name, added.lora_int_id, added.lora_path)
+    logger.info("LoRA: %d adapters registered; %d slots of rank %d, %d in host memory; runtime loading %s",
+                len(lora.adapters), config.max_loras, config.max_lora_rank, max_cpu_loras(config),
+                "on" if lora.allow_runtime_updates else "off (--allow-runtime-lora-updating)")  # fmt: skip
+    return lora
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig, launched: MPClient | None = None) -> int:

@@ -176,6 +176,19 @@ class ServerMetrics:
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )
 
+        self._lora_info: Gauge | None = None
+        self.max_lora = 0
+
+    def enable_lora(self, max_loras: int) -> None:
+        """vllm:lora_requests_info, as vLLM declares it (no model_name label: vLLM's has none)."""
+        self.max_lora = max_loras
+        self._lora_info = Gauge(
+            names.LORA_REQUESTS_INFO,
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+
     # ---- set once ------------------------------------------------------------------------------
     def set_capacity(self, capacity: object, enable_prefix_caching: bool) -> None:
         """`capacity` is the engine's EngineCapacity (duck-typed: the API process need not import torch)."""
@@ -184,8 +197,10 @@ class ServerMetrics:
         self.max_concurrency.set(c.max_concurrency)
         self.max_model_len.set(c.max_model_len)
         self.model_load_seconds.set(c.model_load_seconds)
+        # cache_dtype: what the pool holds (the model's dtype, int8, fp8_e4m3, fp8_e5m2), not the flag's `auto`/`fp8`.
+        cache_dtype = getattr(c, "kv_cache_dtype_resolved", "") or c.dtype
         self._cache_info.labels(
-            self.model_name, str(c.block_size), str(c.num_kv_blocks), c.dtype, str(enable_prefix_caching)
+            self.model_name, str(c.block_size), str(c.num_kv_blocks), cache_dtype, str(enable_prefix_caching)
         ).set(1)
 
     # ---- per engine step -----------------------------------------------------------------------
@@ -205,6 +220,14 @@ class ServerMetrics:
             self.queue_time.observe(waited)
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
+        if self._lora_info is not None:
+            # vLLM sets a new label set each step and keeps the old ones; readers take the latest value.
+            # One series is kept here (the latest): the same answer for them, without a series for every
+            # combination of adapters ever seen.
+            self._lora_info.clear()
+            self._lora_info.labels(
+                str(self.max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)
+            ).set_to_current_time()
 
     def set_waiting(self, num_waiting: int) -> None:
         self.num_waiting.set(num_waiting)

@@ -32,6 +32,8 @@ def _add_sample(reading: PodReading, name: str, labels: dict, value: float) -> N
         reading.waiting += value
     elif name == mn.NUM_REQUESTS_RUNNING:
         reading.running += value
+    elif name == f"{mn.PROMPT_TOKENS}_total":
+        reading.prompt_tokens = (reading.prompt_tokens or 0.0) + value
     elif name in CAPACITY_GAUGES:
         reading.capacity[CAPACITY_GAUGES[name]] = value
     elif name == mn.CACHE_CONFIG_INFO:

@@ -22,6 +22,8 @@ class GPUType:
     # GPUs on one node of the largest common shape (p5/a3/ND H100 v5: 8; g5/g6.48xlarge and g2-96: 8).
     # A replica needing more runs as one pod per node (tensor parallel inside, pipeline parallel across).
     gpus_per_node: int = 8
+    # CUDA compute capability: which KV cache dtypes the engine runs on it (kv_memory.kv_cache_dtype_fits_gpu).
+    compute_capability: tuple[int, int] = (8, 0)
 
     @property
     def memory_bytes(self) -> int:
@@ -31,12 +33,12 @@ class GPUType:
 GPU_TYPES: dict[str, GPUType] = {
     gpu.name: gpu
     for gpu in (
-        GPUType("nvidia-a10g", 23028, ("NVIDIA-A10G",)),
-        GPUType("nvidia-l4", 23034, ("NVIDIA-L4",)),
-        GPUType("nvidia-a100-40gb", 40960, ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB")),
-        GPUType("nvidia-a100-80gb", 81920, ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")),
-        GPUType("nvidia-h100-80gb", 81559, ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe")),
-        GPUType("nvidia-h200-141gb", 143771, ("NVIDIA-H200", "NVIDIA-H200-NVL")),
+        GPUType("nvidia-a10g", 23028, ("NVIDIA-A10G",), compute_capability=(8, 6)),
+        GPUType("nvidia-l4", 23034, ("NVIDIA-L4",), compute_capability=(8, 9)),
+        GPUType("nvidia-a100-40gb", 40960, ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"), compute_capability=(8, 0)),
+        GPUType("nvidia-a100-80gb", 81920, ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"), compute_capability=(8, 0)),
+        GPUType("nvidia-h100-80gb", 81559, ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"), compute_capability=(9, 0)),
+        GPUType("nvidia-h200-141gb", 143771, ("NVIDIA-H200", "NVIDIA-H200-NVL"), compute_capability=(9, 0)),
     )
 }
 

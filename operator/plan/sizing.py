@@ -35,6 +35,7 @@ MAX_NUM_BATCHED_TOKENS = EngineConfig().max_num_batched_tokens
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     dtype: str = "auto"  # auto = bfloat16 on GPUs
+    kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype: auto = dtype; int8, fp8 (e4m3), fp8_e5m2
     block_size: int = 16
     max_model_len: int | None = None  # None = auto
     max_num_seqs: int | None = None  # None = auto
@@ -46,9 +47,10 @@ class SizingPlan:
     model: str
     gpu_type: str
     feasible: bool
-    reason: str  # Fits | WeightsDoNotFit | KVCacheTooSmall | MaxModelLenTooLarge | InvalidGPUCount
+    reason: str  # Fits | WeightsDoNotFit | KVCacheTooSmall | MaxModelLenTooLarge | InvalidGPUCount | KVCacheDtypeUnsupported
     message: str
     dtype: str
+    kv_cache_dtype: str  # resolved (kv_memory.resolve_kv_cache_dtype): what each KV byte count below is of
     gpus_per_replica: int  # every GPU of every pod of one replica: TP x PP
     tensor_parallel_size: int  # GPUs per pod (inside one node)
     pipeline_parallel_size: int  # stages, one pod (node) each
@@ -220,8 +222,9 @@ def _plan_at(
     sampler = kvm.sampler_peak_bytes(seqs_for_overhead, profile.vocab_size)
     overhead = kvm.non_kv_overhead_bytes(activations, sampler, tp * pp)
     budget = kvm.kv_cache_budget_bytes(gpu.memory_bytes, settings.gpu_memory_utilization, weights_gpu, overhead)
+    kv_dtype = kvm.resolve_kv_cache_dtype(settings.kv_cache_dtype, dtype)
     per_token = kvm.kv_bytes_per_token(
-        layers_per_stage(profile, pp), profile.num_key_value_heads, profile.head_dim, dtype, tp
+        layers_per_stage(profile, pp), profile.num_key_value_heads, profile.head_dim, kv_dtype, tp
     )
     blocks = kvm.num_kv_blocks(budget, bs, per_token)
     tokens = blocks * bs
@@ -234,7 +237,7 @@ def _plan_at(
     max_num_seqs = settings.max_num_seqs or min(MAX_NUM_SEQS_CAP, max(1, concurrency))
     result = SizingPlan(
         model=profile.name, gpu_type=gpu.name, feasible=True, reason="Fits", message="", dtype=dtype,
-        gpus_per_replica=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp, nodes_per_replica=pp,
+        kv_cache_dtype=kv_dtype, gpus_per_replica=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp, nodes_per_replica=pp,
         gpu_memory_bytes=gpu.memory_bytes,
         gpu_memory_utilization=settings.gpu_memory_utilization, weights_bytes=weights,
         weights_bytes_per_gpu=weights_gpu, overhead_bytes=overhead, kv_cache_bytes=blocks * bs * per_token,
@@ -247,6 +250,14 @@ def _plan_at(
     usable = budget + weights_gpu + overhead
     where = f"{tp} x {gpu.name}" if pp == 1 else f"{pp} nodes x {tp} x {gpu.name} (TP {tp} x PP {pp})"
     many = tp * pp > 1
+    if not kvm.kv_cache_dtype_fits_gpu(kv_dtype, gpu.compute_capability):
+        have, need = gpu.compute_capability, kvm.FP8_MIN_CUDA_CAPABILITY
+        return result.with_reason(
+            "KVCacheDtypeUnsupported",
+            f"kvCacheDtype {settings.kv_cache_dtype} ({kv_dtype}) needs fp8 conversions, compute capability "
+            f"{need[0]}.{need[1]} or newer; {gpu.name} is {have[0]}.{have[1]}: use kvCacheDtype int8 (half the bytes "
+            "too) or auto",
+        )
     if budget < bs * per_token:
         per_gpu = f" ({gb(weights_gpu)} per GPU)" if many else ""
         return result.with_reason(

@@ -8,8 +8,9 @@ instead of a crash. The defaults here are the CRD's defaults (a test keeps them 
 import re
 from dataclasses import dataclass, field
 
+from tokenmill.engine import kv_memory
 from tokenmill.operator.plan.catalog import GPU_TYPES
-from tokenmill.operator.plan.sizing import EngineSettings
+from tokenmill.operator.plan.sizing import EngineSettings, resolve_dtype
 
 GROUP = "serving.tokenmill.dev"
 VERSION = "v1alpha1"
@@ -31,9 +32,14 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 KUEUE_GATE = "kueue.x-k8s.io/admission"  # the scheduling gate Kueue's pod webhook puts on each pod it holds
 HF_URI = re.compile(r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$")
 CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
+# The CRD's CEL rule says the same.
+SCALE_TO_ZERO_NEEDS_ROUTING = (
+    "scaling.minReplicas 0 (scale to zero) needs spec.routing.enabled: true: the router's endpoint picker holds "
+    "requests while a replica starts; without it a request to a service at 0 replicas has nowhere to wait")
 
 DEFAULTS = {
     "engine.dtype": "auto",
+    "engine.kvCacheDtype": "auto",
     "engine.blockSize": 16,
     "engine.maxModelLen": "auto",
     "engine.maxNumSeqs": "auto",
@@ -43,12 +49,14 @@ DEFAULTS = {
     "resources.cpu": "4",
     "resources.memory": "32Gi",
     "scaling.minReplicas": 1,
+    "scaling.idleSeconds": 300,
     "scaling.targetQueueDepth": "auto",
     "scaling.scaleUpStabilizationSeconds": 0,
     "scaling.scaleDownStabilizationSeconds": 300,
     "scaling.metrics.source": "pods",
     "apiKeySecretRef.key": "api-key",
     "model.tokenSecretRef.key": "HF_TOKEN",
+    "routing.enabled": False,
 }
 
 
@@ -66,6 +74,17 @@ class ScalingSpec:
     metrics_source: str  # pods | prometheus
     prometheus_url: str | None = None
     prometheus_query: str | None = None
+    # With minReplicas 0 (routing only): seconds without a request before the service goes to 0 replicas.
+    idle_seconds: int = 300
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """spec.routing: an InferencePool and its endpoint picker in front of the engine pods, reached through
+    the named Gateway (an HTTPRoute) or, with none named, the operator's own Envoy (standalone)."""
+
+    gateway_name: str | None = None
+    gateway_namespace: str | None = None  # None: the service's namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +120,7 @@ class ServiceSpec:
     api_key_secret: tuple[str, str] | None = None  # (name, key)
     token_secret: tuple[str, str] | None = None  # (name, key): HF_TOKEN for gated hf:// models
     cache: CacheSpec | None = None
+    routing: RoutingSpec | None = None  # None: no router (spec.routing.enabled false or absent)
     # Kueue's labels on the InferenceService (plan/kueue.py): copied onto the workload it makes.
     queue_name: str | None = None
     priority_class: str | None = None
@@ -198,6 +218,11 @@ def _parse(body: dict) -> ServiceSpec:
     dtype = _str(get("engine.dtype"), "spec.engine.dtype")
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise SpecError(f"spec.engine.dtype {dtype!r} must be auto, bfloat16, float16 or float32")
+    kv_cache_dtype = _str(get("engine.kvCacheDtype"), "spec.engine.kvCacheDtype")
+    try:
+        kv_memory.resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype))
+    except ValueError as e:
+        raise SpecError(f"spec.engine.kvCacheDtype: {e}") from None
     util = get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise SpecError(f"spec.engine.gpuMemoryUtilization must be in (0, 1], got {util!r}")
@@ -206,6 +231,7 @@ def _parse(body: dict) -> ServiceSpec:
         raise SpecError(f"spec.engine.blockSize must be 16 or 32, got {block_size}")
     engine = EngineSettings(
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         max_model_len=_auto_or_int(get("engine.maxModelLen"), "spec.engine.maxModelLen"),
         max_num_seqs=_auto_or_int(get("engine.maxNumSeqs"), "spec.engine.maxNumSeqs"),
@@ -224,9 +250,12 @@ def _parse(body: dict) -> ServiceSpec:
     scaling_spec = spec.get("scaling")
     if replicas is not None and scaling_spec is not None:
         raise SpecError("spec.replicas and spec.scaling are mutually exclusive")
+    routing = _parse_routing(get) if get("routing.enabled") is True else None
     scaling = None
     if scaling_spec is not None:
         scaling = _parse_scaling(get)
+        if scaling.min_replicas == 0 and routing is None:
+            raise SpecError(SCALE_TO_ZERO_NEEDS_ROUTING)
     else:
         replicas = 1 if replicas is None else _int(replicas, "spec.replicas", 0)
 
@@ -263,6 +292,7 @@ def _parse(body: dict) -> ServiceSpec:
         api_key_secret=secret,
         token_secret=token_secret,
         cache=cache,
+        routing=routing,
         queue_name=own_labels.get(QUEUE_LABEL) or None,
         priority_class=own_labels.get(PRIORITY_LABEL) or None,
     )
@@ -288,8 +318,19 @@ def _parse_cache(get) -> CacheSpec:
     )
 
 
+def _parse_routing(get) -> RoutingSpec:
+    gateway = get("routing.gateway")
+    if gateway is None:
+        return RoutingSpec()
+    if not isinstance(gateway, dict):
+        raise SpecError("spec.routing.gateway must be an object with name (and optionally namespace)")
+    ns = get("routing.gateway.namespace")
+    return RoutingSpec(gateway_name=_str(get("routing.gateway.name"), "spec.routing.gateway.name"),
+                       gateway_namespace=None if ns is None else _str(ns, "spec.routing.gateway.namespace"))
+
+
 def _parse_scaling(get) -> ScalingSpec:
-    lo = _int(get("scaling.minReplicas"), "spec.scaling.minReplicas", 1)
+    lo = _int(get("scaling.minReplicas"), "spec.scaling.minReplicas", 0)
     hi = get("scaling.maxReplicas")
     if hi is None:
         raise SpecError("spec.scaling.maxReplicas is required")
@@ -313,4 +354,5 @@ def _parse_scaling(get) -> ScalingSpec:
         metrics_source=source,
         prometheus_url=url,
         prometheus_query=get("scaling.metrics.query"),
+        idle_seconds=_int(get("scaling.idleSeconds"), "spec.scaling.idleSeconds", 1),
     )
