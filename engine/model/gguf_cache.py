@@ -30,7 +30,8 @@ _RACY_NS = 2_000_000_000
 def gguf_cache_dir(gguf_path: pathlib.Path, version: object = CONVERTER_VERSION) -> pathlib.Path:
     """Where the converted form of gguf_path lives, keyed by the file's content and CONVERTER_VERSION (the
     converter's output format): the same GGUF installed in another venv or checkout (another path and
-    mtime) reuses the conversion; a changed file or format gets a folder of its own."""
+    mtime) reuses the conversion (relinked to the file that asks); a changed file or format gets a folder
+    of its own."""
     key = f"{version}:{file_digest(gguf_path)}"
     return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -41,15 +42,6 @@ def link_ok(folder: pathlib.Path, gguf_path: pathlib.Path) -> bool:
         return os.readlink(folder / WEIGHTS_LINK) == str(gguf_path.resolve())
     except OSError:
         return False
-
-
-def _relink(folder: pathlib.Path, gguf_path: pathlib.Path) -> None:
-    """Point the folder's link at gguf_path (atomically: a reader sees the old link or the new one, and
-    both name files of the same content)."""
-    tmp = folder / f".{WEIGHTS_LINK}.tmp-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    os.symlink(gguf_path.resolve(), tmp)
-    os.replace(tmp, folder / WEIGHTS_LINK)
 
 
 def file_digest(path: pathlib.Path) -> str:
@@ -105,6 +97,15 @@ def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
     if not link_ok(final, gguf_path):
         _relink(final, gguf_path)
     return final
+
+
+def _relink(folder: pathlib.Path, gguf_path: pathlib.Path) -> None:
+    """Point the folder's link at gguf_path, atomically (a reader sees the old link or the new one; both
+    name files of the same content, as the folder's key is the content)."""
+    tmp = folder / f".{WEIGHTS_LINK}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(gguf_path.resolve(), tmp)
+    os.replace(tmp, folder / WEIGHTS_LINK)
 
 
 def dequantized_copy_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:

@@ -98,7 +98,7 @@ def plan_engine(config: EngineConfig, revision: str | None = None, *, config_onl
     )  # fmt: skip
     if num_blocks is not None:
         check_kv_pool(plan, num_blocks)
-        if device_type == "cpu":
+        if device_type == "cpu" and not config_only:  # `serve --check` also checks argv meant for GPU pods
             check_cpu_memory(plan, num_blocks)
     return plan
 
