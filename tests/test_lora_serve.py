@@ -40,11 +40,19 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(files, tmp_path_factory):
+def modules_file(files):
+    path = files["root"] / "modules.json"
+    path.write_text(json.dumps([{"name": "f1", "path": str(files["c"])}, {"name": "broken", "path": "/nonexistent"}]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(files, modules_file, tmp_path_factory):
     yield from serving(
         "--model", str(files["base"]), "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512",
         "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "2",
         "--lora-modules", f"a={files['a']}", json.dumps({"name": "b", "path": str(files["b"])}),
+        "--lora-modules-file", str(modules_file),
         "--allow-runtime-lora-updating", log_dir=tmp_path_factory.mktemp("serve"),
     )  # fmt: skip
 
@@ -87,7 +95,7 @@ def test_models_lists_adapters_with_their_parent(server, files):
     data = httpx.get(f"{server.url}/v1/models").json()["data"]
     cards = {m["id"]: m for m in data}
     base = data[0]["id"]
-    assert set(cards) == {base, "a", "b"}
+    assert set(cards) == {base, "a", "b", "f1"}
     assert cards[base]["parent"] is None
     assert cards["a"]["parent"] == base and cards["b"]["parent"] == base
     assert cards["a"]["root"] == str(files["a"])
@@ -180,6 +188,32 @@ def test_a_pool_full_of_adapters_in_use_is_429_and_the_gauge_shows_them(server, 
             break
         time.sleep(0.2)
     assert r.status_code == 200, r.text
+
+
+def test_the_modules_file_is_followed_without_a_restart(server, client, files, modules_file, want):
+    def adapter_info() -> dict[str, str]:
+        return {k: v for k, v in server.metrics().items() if k.startswith("tokenmill:lora_adapter_info")}
+
+    info = adapter_info()
+    assert "tokenmill:lora_adapter_info{lora_name=f1,reason=,status=loaded}" in info
+    failed = [k for k in info if "lora_name=broken" in k]
+    assert len(failed) == 1 and "status=failed" in failed[0] and "/nonexistent" in failed[0]
+    assert _complete(client, "f1") == ("f1", want["c"])
+
+    # The kubelet swaps a ConfigMap's files by rename: f1 goes, f2 comes (a's weights), broken is fixed.
+    new = modules_file.with_suffix(".new")
+    new.write_text(json.dumps([{"name": "f2", "path": str(files["a"])}, {"name": "broken", "path": str(files["b"])}]))
+    new.replace(modules_file)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        names = {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        if "f2" in names and "f1" not in names and "broken" in names:
+            break
+        time.sleep(0.5)
+    assert {"f2", "broken"} <= names and "f1" not in names
+    assert _complete(client, "f2") == ("f2", want["a"]) and _complete(client, "broken") == ("broken", want["b"])
+    assert all("status=loaded" in k for k in adapter_info())
+    assert server.proc.poll() is None
 
 
 # ---- pieces, no server ---------------------------------------------------------------------------------

@@ -188,6 +188,19 @@ class ServerMetrics:
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=self.registry,
         )
+        self._lora_adapters = Gauge(
+            names.LORA_ADAPTER_INFO,
+            "LoRA adapters this server serves (status loaded) or failed to load (status failed, with the reason).",
+            [names.LABEL_MODEL, "lora_name", "status", "reason"],
+            registry=self.registry,
+        )
+
+    def set_lora_adapters(self, loaded: list[str], failed: dict[str, str]) -> None:
+        self._lora_adapters.clear()
+        for name in loaded:
+            self._lora_adapters.labels(self.model_name, name, "loaded", "").set(1)
+        for name, reason in failed.items():
+            self._lora_adapters.labels(self.model_name, name, "failed", reason[:500]).set(1)
 
     # ---- set once ------------------------------------------------------------------------------
     def set_capacity(self, capacity: object, enable_prefix_caching: bool) -> None:

@@ -5,6 +5,7 @@ import math
 
 from tokenmill.operator.children import model_source
 from tokenmill.operator.children.inferencepool import ENGINE_TYPE, ENGINE_TYPE_LABEL
+from tokenmill.operator.children.lora_config import lora_engine_args, lora_volumes
 from tokenmill.operator.children.meta import PORT, kueue_labels, labels
 from tokenmill.operator.plan.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
 from tokenmill.operator.plan.quota import parse_quantity
@@ -52,7 +53,7 @@ def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
         args += ["--pipeline-parallel-size", str(plan.pipeline_parallel_size)]
     if not spec.enable_prefix_caching:
         args += ["--no-enable-prefix-caching"]
-    return args
+    return args + lora_engine_args(spec)
 
 
 def _node_affinity(spec: ServiceSpec) -> dict:
@@ -118,6 +119,9 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: s
     model_volumes, model_mounts = model_source.volumes(spec)
     volumes += model_volumes
     mounts += model_mounts
+    adapter_volumes, adapter_mounts = lora_volumes(spec)
+    volumes += adapter_volumes
+    mounts += adapter_mounts
 
     container = {
         "name": "engine",
