@@ -223,14 +223,10 @@ def load_gguf_weights(
             continue
         if permuted and key.endswith(("q_proj.weight", "k_proj.weight")):
             permute[t.name] = config.num_attention_heads if key.endswith("q_proj.weight") else config.num_key_value_heads
-        local = sharding.local_name(key, config, par)
-        if local is None:
+        target = sharding.local_target(key, config, par, targets)
+        if target is None:
             continue
-        parts = local.rsplit(".", 2)
-        name, first, rows = local, 0, None
-        if len(parts) == 3 and parts[1] in targets:
-            fused, first, rows = targets[parts[1]]
-            name = f"{parts[0]}.{fused}.{parts[2]}"
+        name, first, rows = target
         if name not in params:
             raise GGUFError(f"{path}: unexpected tensor {t.name!r} for {config.architecture}")
         sources.setdefault(name, []).append((t, first, rows, key))

@@ -127,14 +127,10 @@ def load_int4_linears(
     # Our parameter -> [(first row, HF module)]
     sources: dict[str, list[tuple[int, str]]] = {}
     for module in modules:
-        local = sharding.local_name(f"{module}.weight", config, par)
-        if local is None:
+        target = sharding.local_target(f"{module}.weight", config, par, targets)
+        if target is None:
             continue
-        parts = local.rsplit(".", 2)
-        name, first = local, 0
-        if len(parts) == 3 and parts[1] in targets:
-            fused, first, _ = targets[parts[1]]
-            name = f"{parts[0]}.{fused}.{parts[2]}"
+        name, first, _ = target
         if name not in params:
             raise ValueError(f"{path}: quantized tensors for {module!r}, which is not a linear layer of {config.architecture}")
         sources.setdefault(name, []).append((first, module))

@@ -78,14 +78,10 @@ def load_weights(
             continue  # old checkpoints store the derived RoPE table
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding matrix is the output projection
-        local = sharding.local_name(key, config, par)
-        if local is None:
+        target = sharding.local_target(key, config, par, targets)
+        if target is None:
             continue  # another pipeline stage's layer or part
-        parts = local.rsplit(".", 2)
-        name, first, rows = local, 0, None
-        if len(parts) == 3 and parts[1] in targets:
-            fused, first, rows = targets[parts[1]]
-            name = f"{parts[0]}.{fused}.{parts[2]}"
+        name, first, rows = target
         if name not in params:
             raise ValueError(f"{info.file}: unexpected tensor {key!r} for {config.architecture}")
         sources.setdefault(name, []).append((info, first, rows))

@@ -40,6 +40,21 @@ def weight_targets(config: ModelConfig, par: ParallelState) -> dict[str, tuple[s
     }
 
 
+def local_target(
+    key: str, config: ModelConfig, par: ParallelState, targets: dict[str, tuple[str, int, int]]
+) -> tuple[str, int, int | None] | None:
+    """(our parameter, first row, rows; None: the whole parameter) that checkpoint tensor `key` fills on
+    this rank (targets: weight_targets'), or None when another pipeline stage holds it."""
+    local = local_name(key, config, par)
+    if local is None:
+        return None
+    parts = local.rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in targets:
+        fused, first, rows = targets[parts[1]]
+        return f"{parts[0]}.{fused}.{parts[2]}", first, rows
+    return local, 0, None
+
+
 def local_name(key: str, config: ModelConfig, par: ParallelState) -> str | None:
     """The parameter name key loads into on this rank (layer renumbered within the stage), or None
     when another pipeline stage holds it."""

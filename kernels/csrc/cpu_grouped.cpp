@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_codes_bf16.h"
 #include "cpu_common.h"
 
 namespace {
@@ -273,14 +274,7 @@ void tile_dot(const Grouped& g, int64_t p, const c10::BFloat16* x, int64_t ldx, 
     if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << c) - 1), bias + q * kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 y = _mm512_add_ps(_mm512_load_ps(acc[r][q]), bv);
-      if (c == kPanel) {
-        tokenmill_cpu::store16(out + r * ldo + q * kPanel, y);
-      } else {
-        alignas(64) TOut tmp[kPanel];
-        tokenmill_cpu::store16(tmp, y);
-        std::copy(tmp, tmp + c, out + r * ldo + q * kPanel);
-      }
+      tokenmill_cpu::store_cols(out + r * ldo + q * kPanel, _mm512_add_ps(_mm512_load_ps(acc[r][q]), bv), c);
     }
   }
 }
