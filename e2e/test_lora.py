@@ -2,7 +2,8 @@
 Hub stand-in (tests/hub_standin.py, through the HF_ENDPOINT the operator writes). The pod runs the real
 engine with the operator's argv; the engine downloads the adapters into the model cache, and the official
 openai client gets each adapter's answer by `model`; the pod's /metrics has vllm:lora_requests_info as vLLM
-exposes it; status.lora lists both adapters, loaded, from the engine's own tokenmill:lora_adapter_info."""
+exposes it; status.lora lists both adapters, loaded, from the engine's own tokenmill:lora_adapter_info. Then
+one adapter is swapped for another in the spec: the running pod serves the new set without a restart."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pod_runner import PodRunner
 from test_pod_runner import proc_argv, runner_pods, wait_ready_sampling_kstatus, with_runner
 from test_pod_runner_hub import hub_operator  # noqa: F401 (the fixture: the operator with --hf-endpoint=hub.url)
 
-REPOS = {"sql": "acme/smollm2-sql-lora", "chat": "acme/smollm2-chat-lora"}
+REPOS = {"sql": "acme/smollm2-sql-lora", "chat": "acme/smollm2-chat-lora", "poem": "acme/smollm2-poem-lora"}
+FIRST = ("sql", "chat")
 PROMPT = "Once upon a time"
 
 
@@ -47,7 +49,7 @@ def test_two_hub_adapters_answer_by_model_name_with_the_gauge_and_status(
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "model": {"uri": "bundled://smollm2-135m-instruct", "name": "smollm2",
-                      "lora": {"adapters": [{"name": n, "uri": f"hf://{r}@v1"} for n, r in REPOS.items()],
+                      "lora": {"adapters": [{"name": n, "uri": f"hf://{REPOS[n]}@v1"} for n in FIRST],
                                "maxRank": 8, "maxAdapters": 2}},
             "engine": {"maxModelLen": 2048},
             "resources": {"gpu": {"type": "nvidia-l4"}},
@@ -85,7 +87,7 @@ def test_two_hub_adapters_answer_by_model_name_with_the_gauge_and_status(
             texts[model] = r.choices[0].text
         assert len(set(texts.values())) == 3, texts  # each adapter answers differently from the base model
         # The adapters' two files came from the stand-in, once each, into the pod's model cache.
-        for repo in REPOS.values():
+        for repo in (REPOS[n] for n in FIRST):
             got = sorted(r.filename for r in hub.requests(repo, "GET") if r.filename and r.status in (200, 206))
             assert got == ["adapter_config.json", "adapter_model.safetensors"], got
 
@@ -104,6 +106,29 @@ def test_two_hub_adapters_answer_by_model_name_with_the_gauge_and_status(
         lora = wait_for(both_loaded, "status.lora: both adapters loaded", timeout=180)
         assert [(a["name"], a["uri"], a["loaded"], a["pods"]) for a in lora["adapters"]] == [
             ("sql", f"hf://{REPOS['sql']}@v1", True, "1/1"), ("chat", f"hf://{REPOS['chat']}@v1", True, "1/1")]
+
+        # chat out, poem in: the ConfigMap changes, the pod template does not; the running engine follows.
+        dep_generation = get(cluster, "deployment", name, namespace)["metadata"]["generation"]
+        isvc["spec"]["model"]["lora"]["adapters"] = [{"name": n, "uri": f"hf://{REPOS[n]}@v1"} for n in ("sql", "poem")]
+        apply(cluster, isvc)
+
+        def swapped() -> set | None:
+            names = {m.id for m in client.models.list().data}
+            return names if "poem" in names and "chat" not in names else None
+
+        assert wait_for(swapped, "the engine serves poem, not chat", timeout=180) == {"smollm2", "sql", "poem"}
+        r = client.completions.create(model="poem", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert r.model == "poem" and r.choices[0].text not in (texts["smollm2"], texts["sql"])
+        same = next(p for p in runner_pods(cluster, namespace, name) if p["metadata"]["uid"] == pod["metadata"]["uid"])
+        assert same["status"]["containerStatuses"][0]["restartCount"] == 0
+        assert get(cluster, "deployment", name, namespace)["metadata"]["generation"] == dep_generation  # no rollout
+
+        def poem_loaded() -> list | None:
+            lora = ((get(cluster, ISVC, name, namespace) or {}).get("status") or {}).get("lora") or {}
+            adapters = lora.get("adapters") or []
+            return adapters if [(a["name"], a["loaded"]) for a in adapters] == [("sql", True), ("poem", True)] else None
+
+        wait_for(poem_loaded, "status.lora: sql and poem loaded", timeout=180)
         assert pod_runner.all_errors() == []
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s", check=False)

@@ -155,10 +155,11 @@ def zero_state(previous: dict) -> ZeroState:
         except (ValueError, TypeError):
             return None  # a hand-edited status: start over rather than fail
 
-    tokens = s.get("promptTokens")
-    last = wake.get("lastSeconds")
-    return ZeroState(ts(s.get("lastActiveTime")), float(tokens) if isinstance(tokens, (int, float)) else None,
-                     ts(wake.get("requestedTime")), float(last) if isinstance(last, (int, float)) else None)
+    def number(value) -> float | None:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    return ZeroState(ts(s.get("lastActiveTime")), number(s.get("promptTokens")), ts(wake.get("requestedTime")),
+                     number(wake.get("lastSeconds")), number(wake.get("podStartSeconds")))
 
 
 def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decision: ScaleDecision | None,
@@ -188,11 +189,16 @@ def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decisi
                 out["promptTokens"] = st.prompt_tokens
             if st.wake_requested is not None:
                 wake["requestedTime"] = iso(st.wake_requested)
+            else:
+                wake.pop("requestedTime", None)  # no wake running
             if zero.wake_seconds is not None:
                 wake["lastSeconds"] = round(zero.wake_seconds, 1)
                 wake["lastTime"] = iso(now)
+            if st.pod_start_seconds is not None:
+                wake["podStartSeconds"] = round(st.pod_start_seconds, 1)
         budget = startup_timeout_seconds(spec, sizing)
-        predicted, source = predicted_wake(wake.get("lastSeconds"), (measured or {}).get("modelLoadSeconds"), budget)
+        predicted, source = predicted_wake(wake.get("lastSeconds"), wake.get("podStartSeconds"),
+                                           (measured or {}).get("modelLoadSeconds"), budget)
         out["wake"] = {**wake, "budgetSeconds": budget, "predictedSeconds": predicted, "predictedFrom": source}
     return out
 

@@ -38,7 +38,9 @@ def preflight(config: EngineConfig, revision: str | None = None) -> str:
         f"ok: {source.display} ({mc.architecture}, {mc.num_hidden_layers} layers, {mc.num_attention_heads} "
         f"heads / {mc.num_key_value_heads} KV heads), {plan.dtype} on {plan.device_type}, max_model_len "
         f"{plan.max_model_len}, {pool}, KV cache {plan.kv_cache_dtype} ({plan.kv_bytes_per_token} bytes/token)"
-        f"{held}"
+        + (f", LoRA {config.max_loras} slots of rank {config.max_lora_rank}: {plan.lora_slot_bytes} bytes per rank "
+           "(lora_memory.lora_slot_bytes, the operator's number)" if config.enable_lora else "")
+        + held
     )
 
 

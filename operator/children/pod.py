@@ -16,7 +16,9 @@ from tokenmill.operator.plan.startup import startup_timeout_seconds
 ENGINE_UID = 1000  # the engine image's non-root user
 CACHE_DIR = "/cache"  # HOME and XDG_CACHE_HOME: GGUF conversions, Triton caches (per pod, emptyDir)
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tokenmill/tokenmill:0.1.0"
-STARTUP_PROBE_PERIOD = 10
+# The startup probe is what turns a loaded engine into a Ready pod: probed every 2 s, a replica joins the
+# Service (and a woken scale-to-zero service answers its held request) within 2 s of loading, not 10.
+STARTUP_PROBE_PERIOD = 2
 # Probe paths on the engine's HTTP port. Readiness is what the Service routes on: /health answers 503
 # while the model loads or downloads, when the engine core is dead or stalled, and while draining.
 # Liveness (/live) restarts a wedged pod: 503 once the engine core has had work but made no step for
