@@ -111,6 +111,8 @@ def test_sizing_leaves_the_adapter_slots_out_of_the_kv_budget_and_says_so():
     block = with_lora.block_size * with_lora.kv_bytes_per_token
     assert 0 <= base.kv_cache_bytes - with_lora.kv_cache_bytes - want < block  # whole blocks
     assert "LoRA slots (4 adapters of rank 16)" in with_lora.message
+    # the engine's host cache (--max-cpu-loras 8: twice the slots, in the same layout) in the pod's memory
+    assert with_lora.host_memory_bytes - base.host_memory_bytes == 2 * want
 
 
 def test_the_sizing_function_is_what_the_engine_allocates(tmp_path):

@@ -12,6 +12,7 @@ import json
 
 from tokenmill.operator.children.meta import child_metadata, stamp
 from tokenmill.operator.children.model_source import MODELS_DIR
+from tokenmill.operator.plan.sizing import CPU_LORAS_PER_SLOT
 from tokenmill.operator.plan.spec import ServiceSpec
 
 LORA_DIR = "/etc/tokenmill/lora"
@@ -46,13 +47,9 @@ def lora_engine_args(spec: ServiceSpec) -> list[str]:
         "--lora-modules-file", f"{LORA_DIR}/{LORA_FILE}",
         "--max-loras", str(lora.max_adapters),
         "--max-lora-rank", str(lora.max_rank),
-        # Host memory for twice the slots: an adapter beyond the running ones queues for a slot instead of
-        # being refused (the engine answers 429 when more adapters than this have requests in flight).
-        "--max-cpu-loras", str(CPU_ADAPTERS_PER_SLOT * lora.max_adapters),
+        # (the engine answers 429 only when more adapters than this have requests in flight)
+        "--max-cpu-loras", str(CPU_LORAS_PER_SLOT * lora.max_adapters),
     ]
-
-
-CPU_ADAPTERS_PER_SLOT = 2
 
 
 def lora_volumes(spec: ServiceSpec) -> tuple[list[dict], list[dict]]:

@@ -257,7 +257,8 @@ def _plan_at(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_position_embeddings=profile.max_position_embeddings,
         target_queue_depth=max(1, min(max_num_seqs, concurrency)),
-        host_memory_bytes=host_memory_bytes(profile, tp),
+        # Each rank also keeps CPU_LORAS_PER_SLOT x maxAdapters adapters in host memory (their slot layout).
+        host_memory_bytes=host_memory_bytes(profile, tp) + tp * CPU_LORAS_PER_SLOT * lora,
         lora_slot_bytes=lora,
     )
     usable = budget + weights_gpu + overhead
@@ -305,6 +306,11 @@ def _plan_at(
             f"maxNumSeqs {max_num_seqs}"
         ),
     )
+
+
+# The engine's --max-cpu-loras per adapter slot (children/lora_config.py passes it): host memory for twice
+# the slots, so a request for an adapter beyond the running ones queues for a slot instead of being refused.
+CPU_LORAS_PER_SLOT = 2
 
 
 def _lora_words(lora_bytes: int) -> str:
