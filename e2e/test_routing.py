@@ -29,7 +29,7 @@ import routing_bench
 from cluster import Cluster
 from e2e_helpers import CHART, OPERATOR_NAMESPACE, RELEASE, apply, condition, get, items, wait_for
 from test_examples import example
-from traffic import EPP_RULES, ensure_epp, install_crds
+from traffic import EPP_RULES, ensure_epp, install_crds, install_gateway_api_crds
 
 MODEL = "chat"  # examples/routed.yaml names no model: the service's name
 RUNNER = {"e2e.tokenmill.dev/pod-runner": "true"}
@@ -245,3 +245,49 @@ def test_scale_to_zero_holds_the_request_wakes_the_service_and_idles_back(routed
     # while the request was held, the wake asked for a replica and the GPU quota refused it
     quota = [e for e in items(cluster, "events", starved_ns) if e["reason"] == "GPUQuotaExceeded"]
     assert quota and quota[0]["type"] == "Warning", [e["reason"] for e in items(cluster, "events", starved_ns)]
+
+
+def test_gateway_mode_writes_a_route_the_api_server_accepts(routed: Routed, namespaces):
+    """spec.routing.gateway: no Gateway implementation runs here, so the real API server validates the
+    HTTPRoute (the Gateway API's own CRDs and CEL rules, v1.6.0), and this test plays the implementation's part
+    (it writes the Gateway's address and accepts the route) to see status.endpoint follow. The pods are
+    kwok's (no pod-runner label): nothing is served."""
+    cluster = routed.cluster
+    crds = install_gateway_api_crds(cluster)
+    try:
+        role = get(cluster, "clusterrole", RELEASE)
+        if not any("httproutes" in r.get("resources", []) for r in role["rules"]):
+            cluster.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE, "--reuse-values", "--wait",
+                         "--timeout", "120s")
+        ns = namespaces("gateway")
+        apply(cluster, {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+                        "metadata": {"name": "inference"},
+                        "spec": {"gatewayClassName": "none", "listeners": [
+                            {"name": "http", "protocol": "HTTP", "port": 8080}]}}, ns)
+        (doc,) = [d for d in example("routed.yaml", ns) if d["kind"] == "InferenceService"]
+        doc["spec"] |= {"replicas": 1, "routing": {"enabled": True, "gateway": {"name": "inference"}}}
+        apply(cluster, doc, ns)
+        svc = Routed(cluster, ns, routed.pod_runner)
+        route = wait_for(lambda: get(cluster, "httproute", "chat", ns), "the HTTPRoute", timeout=60)
+        (rule,) = route["spec"]["rules"]
+        assert rule["backendRefs"][0]["kind"] == "InferencePool" and rule["timeouts"]["request"] == "0s"
+        obj = wait_for(lambda: (o := svc.isvc()) and (condition(o, "Routed") or {}).get("reason") == "WaitingForGateway"
+                       and o, "Routed=False, WaitingForGateway", timeout=60)
+        assert "endpoint" not in obj["status"] and obj["status"]["routing"]["mode"] == "gateway"
+        assert not items(cluster, "pods", ns, "serving.tokenmill.dev/router=chat")[0]["spec"]["containers"][1:]
+        # The implementation's part: an address for the Gateway, Accepted on the route.
+        cluster.kubectl("patch", "gateway", "inference", "-n", ns, "--subresource=status", "--type=merge", "-p",
+                        json.dumps({"status": {"addresses": [{"type": "IPAddress", "value": "10.20.30.40"}]}}))
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        cluster.kubectl("patch", "httproute", "chat", "-n", ns, "--subresource=status", "--type=merge", "-p",
+                        json.dumps({"status": {"parents": [{
+                            "parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference",
+                                          "namespace": ns},
+                            "controllerName": "example.org/gateway",
+                            "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": "",
+                                            "lastTransitionTime": now, "observedGeneration": 1}]}]}}))
+        obj = wait_for(lambda: (o := svc.isvc()) and (condition(o, "Routed") or {}).get("status") == "True" and o,
+                       "Routed=True once the Gateway accepted the route", timeout=60)
+        assert obj["status"]["endpoint"] == f"http://10.20.30.40:8080/{ns}/chat/v1"
+    finally:
+        cluster.kubectl("delete", "crd", *crds, "--ignore-not-found", check=False)
