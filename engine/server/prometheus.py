@@ -7,6 +7,7 @@ and exported by the API process. Each server owns its registry, so in-process te
 """
 
 import time
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
