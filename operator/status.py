@@ -86,6 +86,7 @@ def plan_status(p: SizingPlan, profile: ModelProfile | None) -> dict:
         "targetQueueDepth": p.target_queue_depth,
         "hostMemoryBytes": p.host_memory_bytes,
         "loraSlotBytes": p.lora_slot_bytes,
+        **({"quantization": profile.quantization} if profile is not None and profile.quantization else {}),
     }
 
 
@@ -97,7 +98,8 @@ def hub_status(hub_model: HubModel, profile: ModelProfile | None) -> dict:
         out["weightsBytes"] = hub_model.weights_bytes
     if profile is not None and profile.source.startswith("hub"):
         out["configFile"] = f"config.json at {hub_model.commit}"
-        out["parametersFrom"] = "safetensors metadata" if hub_model.parameters else "estimated from config.json"
+        counted = hub_model.parameters and not profile.quantization  # int4 metadata counts packed words
+        out["parametersFrom"] = "safetensors metadata" if counted else "estimated from config.json"
     return out
 
 

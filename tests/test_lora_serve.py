@@ -250,3 +250,37 @@ def test_flags_parse_as_vllms():
         parse_args(["--lora-modules", "a=/x", "a=/y"], environ={})
     with pytest.raises(SystemExit):
         parse_args(["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], environ={})
+
+
+def test_the_lora_gauge_reads_as_vllms_under_both_endpoint_picker_rules(monkeypatch):
+    """vLLM keeps every label set it ever wrote (value: the time it last wrote it); the endpoint picker v1.5.0
+    takes the series with the largest value, among all (its datalayer extractor) or among those naming an
+    adapter (its older metrics client). Ours keeps two series; both rules must pick what they pick in vLLM's."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from tokenmill.engine.core import SchedulerStats
+    from tokenmill.engine.server import prometheus
+    from tokenmill.engine.server.prometheus import ServerMetrics
+
+    clock = iter(range(1_000, 2_000))
+    monkeypatch.setattr(prometheus.time, "time", lambda: float(next(clock)))
+    m = ServerMetrics("m", 512)
+    m.enable_lora(2)
+    vllm: dict[tuple, float] = {}  # vLLM's exposition: every label set, its last time
+    steps = [({"a": 1}, {}), ({"a": 2}, {"b": 1}), ({}, {}), ({"b": 1}, {}), ({}, {}), ({}, {}), ({"a": 1}, {"c": 3})]
+    for running, waiting in steps:
+        m.record_step(SchedulerStats(running_lora_adapters=running, waiting_lora_adapters=waiting), 0, 0)
+        ours = {}
+        for f in text_string_to_metric_families(m.render()[0].decode()):
+            for s in f.samples:
+                if s.name == "vllm:lora_requests_info":
+                    ours[(s.labels["max_lora"], s.labels["waiting_lora_adapters"], s.labels["running_lora_adapters"])] = s.value
+        newest = max(ours.values())
+        vllm[next(k for k, v in ours.items() if v == newest)] = newest
+        assert len(ours) <= 2
+
+        def latest(series: dict, named_only: bool):
+            named = {k: v for k, v in series.items() if not named_only or k[1] or k[2]}
+            return max(named, key=named.get) if named else None
+
+        for named_only in (False, True):
+            assert latest(ours, named_only) == latest(vllm, named_only), (running, waiting, named_only)

@@ -92,7 +92,11 @@ class LoRAServing:
         except (ValueError, FileNotFoundError) as e:  # LoRAAdapterError, ModelSourceError: the caller's to fix
             raise OpenAIError(400, str(e), param="lora_path") from None
         self.check_new(name, reserved)  # a concurrent load of the same name may have won meanwhile
-        lora = LoRARequest(name, next(self._ids), str(folder))
+        # A URI travels as written: every rank resolves it itself (a hub adapter in its own hub cache: a rank
+        # on another node has no copy of this one's; pvc:// under its own mount); a local folder as its
+        # absolute path (the other ranks run with cwd /).
+        local = os.path.exists(path)
+        lora = LoRARequest(name, next(self._ids), str(folder.resolve()) if local else path)
         self.adapters[name] = lora
         return lora
 

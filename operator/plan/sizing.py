@@ -11,10 +11,11 @@ from dataclasses import asdict, dataclass, replace
 
 from tokenmill.engine import kv_memory as kvm
 from tokenmill.engine import load_memory as lm
+from tokenmill.engine import quant_memory
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.lora_memory import lora_slot_bytes
 from tokenmill.engine.parallel_check import tp_fits_model
-from tokenmill.operator.plan.catalog import GPU_TYPES, GPUType, ModelProfile
+from tokenmill.operator.plan.catalog import GPU_TYPES, GPUType, ModelProfile, profile_config
 
 # Tensor parallel stays inside one node: eight GPUs is the largest node shape in the catalog's clouds.
 MAX_TENSOR_PARALLEL_SIZE = 8
@@ -214,8 +215,8 @@ def _plan_at(
     profile: ModelProfile, gpu: GPUType, settings: EngineSettings, dtype: str, tp: int, pp: int = 1
 ) -> SizingPlan:
     bs = settings.block_size
-    weights = kvm.weights_bytes(profile.num_parameters, dtype)
-    weights_gpu = kvm.weights_bytes(stage_parameters(profile, pp), dtype, tp)
+    weights = held_weights_bytes(profile, dtype)
+    weights_gpu = -(-weights * stage_parameters(profile, pp) // profile.num_parameters // tp)
     seqs_for_overhead = settings.max_num_seqs or MAX_NUM_SEQS_CAP
     activations = kvm.activation_peak_bytes(
         MAX_NUM_BATCHED_TOKENS, profile.hidden_size, profile.intermediate_size, profile.num_attention_heads,
@@ -306,6 +307,17 @@ def _plan_at(
             f"maxNumSeqs {max_num_seqs}"
         ),
     )
+
+
+def held_weights_bytes(profile: ModelProfile, dtype: str) -> int:
+    """The whole model's weights as an engine on a GPU holds them: the engine's own count
+    (engine/quant_memory.py, which its plan and `serve --check` print), so both size a quantized model
+    alike. An AWQ / GPTQ model is dequantized to `dtype` on a GPU (no GPU codes kernels yet), so its
+    bytes are its parameters', counted from its shape rather than from its packed int32 tensors."""
+    if not profile.quantization:
+        return kvm.weights_bytes(profile.num_parameters, dtype)
+    codes = quant_memory.codes_held("cuda", dtype, 1, bf16_dot=False)
+    return quant_memory.config_weights(profile_config(profile), dtype, codes).loaded_bytes
 
 
 # The engine's --max-cpu-loras per adapter slot (children/lora_config.py passes it): host memory for twice
