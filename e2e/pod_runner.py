@@ -69,6 +69,7 @@ def _torch_extensions_dir() -> Path:
 TORCH_EXTENSIONS_DIR = _torch_extensions_dir()
 BACKOFF_START_S, BACKOFF_MAX_S = 10.0, 300.0  # the kubelet's crash-loop back-off
 TICK_S = 0.25
+CONFIGMAP_SYNC_S = 5.0  # how often ConfigMap volumes are brought up to date (DEVIATIONS)
 NOT_REWRITTEN = ("/dev/shm",)  # the machine's shared memory is the pod's
 # A pod's DNS name under its headless Service (what LWS_LEADER_ADDRESS holds): HOST.SUBDOMAIN.NAMESPACE...
 _LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
@@ -104,6 +105,9 @@ DEVIATIONS = (
     "gets KUBECONFIG naming the API server, that volume's ca.crt and token (client-go's in-cluster path "
     "/var/run/secrets/kubernetes.io/serviceaccount is fixed and there is no mount namespace); the token is the "
     "pod's own, from the TokenRequest API, bound to the pod",
+    f"ConfigMap volumes: refreshed every {CONFIGMAP_SYNC_S:g} s (the kubelet: its sync period plus its cache's TTL, "
+    "about a minute), each changed file written beside and renamed over the old one as the kubelet's atomic "
+    "writer swaps them",
 )
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -234,9 +238,11 @@ class Api:
                                                                 _preload_content=False, _request_timeout=10)
         return json.loads(rsp.data)["status"]["token"]
 
-    def runner_pods(self) -> list[dict]:
-        rsp = self.core.list_pod_for_all_namespaces(label_selector=f"{RUNNER_LABEL}=true",
-                                                    _preload_content=False, _request_timeout=10)
+    def runner_pods(self, every_pod: bool = False) -> list[dict]:
+        """Pods labelled for the runner, or every pod (kubelet mode)."""
+        selector = None if every_pod else f"{RUNNER_LABEL}=true"
+        rsp = self.core.list_pod_for_all_namespaces(label_selector=selector, _preload_content=False,
+                                                    _request_timeout=10)
         return json.loads(rsp.data)["items"]
 
     def data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
@@ -757,11 +763,37 @@ class PodWorker(threading.Thread):
                 if "terminated" in run.state:  # restartPolicy Never: the pod has failed
                     return
                 self.stopping.wait(TICK_S)
+        next_sync = time.monotonic() + CONFIGMAP_SYNC_S
         while not self.stopping.is_set():
             for run in self.containers:
                 self._step(run)
             self._write_status()
+            if time.monotonic() >= next_sync:
+                next_sync = time.monotonic() + CONFIGMAP_SYNC_S
+                self._refresh_config_maps()
             self.stopping.wait(TICK_S)
+
+    def _refresh_config_maps(self) -> None:
+        """ConfigMap volumes brought up to date while the pod runs, as the kubelet does (mounts without
+        subPath): a changed file is written beside the old one and renamed over it."""
+        for v in self.pod["spec"].get("volumes") or []:
+            if "configMap" not in v or v["name"] not in self.volumes:
+                continue
+            source = v["configMap"]
+            try:
+                data = self.api.data("ConfigMap", self.namespace, source.get("name"))
+            except Exception as e:  # transient API failure: the next sync tries again
+                self.api_errors.append(repr(e)[:300])
+                continue
+            if data is None:
+                continue
+            for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+                target = self.volumes[v["name"]] / item["path"]
+                if item["key"] not in data or (target.exists() and target.read_text() == data[item["key"]]):
+                    continue
+                fresh = target.with_name(f".{target.name}.new")
+                fresh.write_text(data[item["key"]])
+                os.replace(fresh, target)
 
     def _step(self, run: ContainerRun) -> None:
         if run.proc is None:
@@ -794,12 +826,40 @@ class PodWorker(threading.Thread):
 # ---------------------------------------------------------------- the runner
 
 
-class PodRunner(threading.Thread):
-    """Watches labelled pods bound to kwok nodes; one PodWorker per pod, stopped when the pod goes."""
+def runnable(pod: dict) -> bool:
+    """Kubelet mode: whether every container's program exists here (a command on the runner's PATH, or an
+    image pod_programs knows); a pod that cannot run is only marked running, as kwok does."""
+    for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]:
+        command = c.get("command") or []
+        if not command:
+            return False  # the image's entrypoint: not known here
+        if pod_programs.program_for(c.get("image", ""), command[0]) is None and \
+                shutil.which(command[0], path=BASE_PATH) is None:
+            return False
+    return True
 
-    def __init__(self, kubeconfig: Path, workdir: Path, poll_s: float = 0.5):
+
+def kwok_like_status(pod: dict) -> dict:
+    """Running and Ready with nothing behind it: what kwok's pod-ready stage writes."""
+    now = now_rfc3339()
+    return {"phase": "Running", "startTime": now,
+            "conditions": [{"type": t, "status": "True", "lastTransitionTime": now}
+                           for t in ("Initialized", "Ready", "ContainersReady")],
+            "containerStatuses": [{"name": c["name"], "image": c.get("image", ""), "ready": True, "started": True,
+                                   "restartCount": 0, "state": {"running": {"startedAt": now}}}
+                                  for c in pod["spec"]["containers"]]}
+
+
+class PodRunner(threading.Thread):
+    """Watches labelled pods bound to kwok nodes; one PodWorker per pod, stopped when the pod goes. In
+    kubelet mode (`every_pod`, what `make cluster-up` starts) it takes every pod: those it can run
+    (runnable()) it runs, the others it marks running as kwok would (kwok then only hands out pod IPs)."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path, poll_s: float = 0.5, every_pod: bool = False):
         super().__init__(daemon=True, name="pod-runner")
         self.api = Api(kubeconfig)
+        self.every_pod = every_pod
+        self.faked: set[str] = set()  # uids of pods marked running without a process (kubelet mode)
         # Pod folders live under a short path: the engine puts unix sockets in $TMPDIR (a pod volume),
         # and a socket path must fit in 107 bytes. `workdir/pod-runner` links to it (logs are there).
         self.root = Path(tempfile.mkdtemp(prefix="tm-pods-"))
@@ -817,7 +877,7 @@ class PodRunner(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.poll_s):
             try:
-                pods = self.api.runner_pods()
+                pods = self.api.runner_pods(self.every_pod)
             except Exception as e:  # the API server may be restarting (chaos tests)
                 self.errors.append(f"list pods: {e!r}"[:300])
                 continue
@@ -831,6 +891,15 @@ class PodRunner(threading.Thread):
             # draining on it; a CNI would not reuse an address in use, so such a pod starts once it is free.
             draining = {w.pod_ip for w in self.finished if w.is_alive()}
             for uid, pod in live.items():
+                if self.every_pod and uid not in self.workers and (uid in self.faked or not runnable(pod)):
+                    if uid not in self.faked:
+                        try:
+                            self.api.patch_status(pod["metadata"]["namespace"], pod["metadata"]["name"],
+                                                  kwok_like_status(pod))
+                            self.faked.add(uid)
+                        except Exception as e:  # retried next poll
+                            self.errors.append(f"status of {pod['metadata']['name']}: {e!r}"[:300])
+                    continue
                 if uid not in self.workers and pod["status"]["podIP"] not in draining:
                     d = self.root / str(len(self.workers) + len(self.finished))
                     with open(self.index, "a") as f:
@@ -863,3 +932,35 @@ class PodRunner(threading.Thread):
             w.join(timeout=grace + 15)
         # Claims outlive pods, not the session: a cached model is hundreds of MB. Pod logs stay.
         shutil.rmtree(self.root / "claims", ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Kubelet mode as its own process (`make cluster-up` starts it; `cluster.py down` stops it)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="e2e/pod_runner.py", description="Run the pods of the local cluster.")
+    p.add_argument("--kubeconfig", type=Path, required=True)
+    p.add_argument("--workdir", type=Path, required=True)
+    p.add_argument("--every-pod", action="store_true", help="kubelet mode: take every pod, not only labelled ones")
+    args = p.parse_args(argv)
+    runner = PodRunner(args.kubeconfig, args.workdir, every_pod=args.every_pod)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    runner.start()
+    print(f"pod runner ({'every pod' if args.every_pod else 'labelled pods'}): pod folders in {runner.root}",
+          flush=True)
+    shown = 0
+    while not stop.wait(5):
+        errors = runner.all_errors()
+        for e in errors[shown:]:
+            print(e, flush=True)
+        shown = len(errors)
+    # `cluster.py down` waits 10 s before SIGKILL; the pods' processes must be gone by then.
+    runner.stop(grace=5)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

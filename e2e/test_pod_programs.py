@@ -88,3 +88,33 @@ def test_forwarder_carries_both_directions_and_closes():
     finally:
         fw.close()
         backend.close()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_real_epp_loads_the_operators_picker_config(tmp_path: Path, lora: bool):
+    """The EndpointPickerConfig the operator writes (operator/children/picker_config.py), through the EPP's own
+    loader: it loads the file before it needs the API server (here unreachable, so it exits after)."""
+    import subprocess
+
+    from tokenmill.operator.children.picker_config import endpoint_picker_config
+    from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
+    from tokenmill.operator.plan.sizing import plan
+    from traffic import ensure_epp
+
+    config = tmp_path / "picker.yaml"
+    config.write_text(yaml.safe_dump(endpoint_picker_config(
+        plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"]), 601, lora=lora)))
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "x",
+        "clusters": [{"name": "x", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "x", "user": {"token": "x"}}], "contexts": [{"name": "x", "context": {"cluster": "x", "user": "x"}}]}))
+    ports = [pod_programs.free_port() for _ in range(3)]
+    proc = subprocess.run(
+        [str(ensure_epp() / "bin" / "epp"), "--pool-name=p", "--pool-namespace=n", f"--config-file={config}",
+         f"--grpc-port={ports[0]}", f"--grpc-health-port={ports[1]}", f"--metrics-port={ports[2]}",
+         "--tracing=false", "--health-checking=true", "--metrics-endpoint-auth=false", "--enable-pprof=false"],
+        env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert "loaded configuration from file/text successfully" in out, out[-3000:]
+    assert ("lora-affinity-scorer" in out) == lora

@@ -163,3 +163,6 @@ DEFAULTS = EngineConfig()  # the one place defaults live; the CLI and LLM() read
 # without importing the web stack.
 DEFAULT_READINESS_STALL_S = 15.0
 DEFAULT_LIVENESS_STALL_S = 60.0
+# The largest request body the server reads (server/body_limit.py): far above any text prompt a context
+# window holds, small enough that a runaway upload cannot exhaust the API process's memory.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20

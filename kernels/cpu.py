@@ -28,6 +28,7 @@ _SOURCES = [
     _CSRC / "cpu_linear_amx.cpp",
     _CSRC / "cpu_topk.cpp",
     _CSRC / "cpu_decoder.cpp",
+    _CSRC / "cpu_grouped.cpp",
 ]
 _HEADERS = [_CSRC / "cpu_common.h", _CSRC / "cpu_codes_bf16.h", _CSRC / "cpu_ops.h", _CSRC / "cpu_kv_quant.h"]
 # fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity). -fopenmp:

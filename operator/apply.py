@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tokenmill.operator.children.desired import Desired
 from tokenmill.operator.children.leaderworkerset import KIND as LWS_KIND
 from tokenmill.operator.children.leaderworkerset import as_deployment
+from tokenmill.operator.children.lora_config import lora_config_name
 from tokenmill.operator.children.meta import is_owned_by
 from tokenmill.operator.children.model_source import CACHE_CLAIM_SUFFIX
 from tokenmill.operator.observe.cluster import Live
@@ -32,6 +33,7 @@ class Applied:
 def apply_children(api, spec: ServiceSpec, desired: Desired, live: Live, why: str, events: list[Event]) -> Applied:
     """`why`: the reason a change of size gives in its event. Events are appended to `events`."""
     apply_cache_claim(api, spec, desired.cache_claim, events)
+    apply_lora_config(api, spec, desired.lora_config, events)  # before the pods that mount it
     applied = _apply_workload(api, desired, live, why, events)
     # A plan that moved between one node and several: the other workload kind goes once the new one exists.
     other = "Deployment" if live.multi_node else LWS_KIND
@@ -92,6 +94,20 @@ def _apply_workload(api, desired: Desired, live: Live, why: str, events: list[Ev
             scaled = True
         workload = as_deployment(want["kind"], api.apply(want))
     return Applied(workload, spec_changed, scaled)
+
+
+def apply_lora_config(api, spec: ServiceSpec, want: dict | None, events: list[Event]) -> None:
+    """spec.model.lora's ConfigMap: written when it drifts (the engines follow it: no rollout). Without
+    spec.model.lora it is not looked at (no read per reconcile of every service): one left by a spec that
+    dropped its lora goes with the InferenceService (owner reference), unread by its pods."""
+    if want is None:
+        return
+    name = lora_config_name(spec)
+    live = api.get("ConfigMap", spec.namespace, name)
+    if live is None or differs(want, live):
+        api.apply(want)
+        adapters = ", ".join(a.name for a in spec.lora.adapters) or "none"
+        events.append(("Normal", "Created" if live is None else "Updated", f"ConfigMap {name}: LoRA adapters {adapters}"))
 
 
 def apply_cache_claim(api, spec: ServiceSpec, want: dict | None, events: list[Event]) -> None:

@@ -37,6 +37,7 @@ from tokenmill.operator.plan.spec import SpecError, parse_inference_service
 from tokenmill.operator.status import (
     held,
     invalid,
+    lora_status,
     measurement,
     own_status,
     recommendations,
@@ -136,4 +137,7 @@ def _reconcile(api, body: dict, config: OperatorConfig, autoscale: bool, now: fl
                                config.router)
     applied = apply_children(api, spec, desired, live, replicas.why, events)
     report = serving(spec, sized, live, previous, replicas, applied, measured, events, now, queued)
+    lora = lora_status(spec, engines, previous)
+    if lora is not None:
+        report.status["lora"] = lora
     return write_status(api, body, previous, report, now)

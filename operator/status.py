@@ -14,6 +14,7 @@ from tokenmill.operator.children.httproute import gateway_endpoint, gateway_name
 from tokenmill.operator.children.inferencepool import router_name
 from tokenmill.operator.children.leaderworkerset import KIND as LWS_KIND
 from tokenmill.operator.children.leaderworkerset import LEADER, ROLE_LABEL
+from tokenmill.operator.children.lora_config import lora_config_name
 from tokenmill.operator.children.meta import selector_string
 from tokenmill.operator.children.router import router_endpoint
 from tokenmill.operator.children.service import endpoint
@@ -23,7 +24,7 @@ from tokenmill.operator.plan.autoscaler import Recommendation, ScaleDecision
 from tokenmill.operator.plan.catalog import ModelProfile
 from tokenmill.operator.plan.conditions import Condition, Facts, compute_conditions, rollout_from
 from tokenmill.operator.plan.kueue import Admission
-from tokenmill.operator.plan.observations import HubModel
+from tokenmill.operator.plan.observations import TOTAL, EngineReadings, HubModel
 from tokenmill.operator.plan.profiles import Sized
 from tokenmill.operator.plan.replicas import ReplicaPlan, target
 from tokenmill.operator.plan.routing import RouterState, routed_condition
@@ -84,6 +85,8 @@ def plan_status(p: SizingPlan, profile: ModelProfile | None) -> dict:
         "maxNumSeqs": p.max_num_seqs,
         "targetQueueDepth": p.target_queue_depth,
         "hostMemoryBytes": p.host_memory_bytes,
+        "loraSlotBytes": p.lora_slot_bytes,
+        **({"quantization": profile.quantization} if profile is not None and profile.quantization else {}),
     }
 
 
@@ -95,7 +98,8 @@ def hub_status(hub_model: HubModel, profile: ModelProfile | None) -> dict:
         out["weightsBytes"] = hub_model.weights_bytes
     if profile is not None and profile.source.startswith("hub"):
         out["configFile"] = f"config.json at {hub_model.commit}"
-        out["parametersFrom"] = "safetensors metadata" if hub_model.parameters else "estimated from config.json"
+        counted = hub_model.parameters and not profile.quantization  # int4 metadata counts packed words
+        out["parametersFrom"] = "safetensors metadata" if counted else "estimated from config.json"
     return out
 
 
@@ -151,10 +155,11 @@ def zero_state(previous: dict) -> ZeroState:
         except (ValueError, TypeError):
             return None  # a hand-edited status: start over rather than fail
 
-    tokens = s.get("promptTokens")
-    last = wake.get("lastSeconds")
-    return ZeroState(ts(s.get("lastActiveTime")), float(tokens) if isinstance(tokens, (int, float)) else None,
-                     ts(wake.get("requestedTime")), float(last) if isinstance(last, (int, float)) else None)
+    def number(value) -> float | None:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    return ZeroState(ts(s.get("lastActiveTime")), number(s.get("promptTokens")), ts(wake.get("requestedTime")),
+                     number(wake.get("lastSeconds")), number(wake.get("podStartSeconds")))
 
 
 def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decision: ScaleDecision | None,
@@ -184,13 +189,47 @@ def scaling_status(spec: ServiceSpec, sizing: SizingPlan, previous: dict, decisi
                 out["promptTokens"] = st.prompt_tokens
             if st.wake_requested is not None:
                 wake["requestedTime"] = iso(st.wake_requested)
+            else:
+                wake.pop("requestedTime", None)  # no wake running
             if zero.wake_seconds is not None:
                 wake["lastSeconds"] = round(zero.wake_seconds, 1)
                 wake["lastTime"] = iso(now)
+            if st.pod_start_seconds is not None:
+                wake["podStartSeconds"] = round(st.pod_start_seconds, 1)
         budget = startup_timeout_seconds(spec, sizing)
-        predicted, source = predicted_wake(wake.get("lastSeconds"), (measured or {}).get("modelLoadSeconds"), budget)
+        predicted, source = predicted_wake(wake.get("lastSeconds"), wake.get("podStartSeconds"),
+                                           (measured or {}).get("modelLoadSeconds"), budget)
         out["wake"] = {**wake, "budgetSeconds": budget, "predictedSeconds": predicted, "predictedFrom": source}
     return out
+
+
+def lora_status(spec: ServiceSpec, engines: EngineReadings, previous: dict) -> dict | None:
+    """status.lora: each adapter of spec.model.lora and whether every ready pod reports it loaded
+    (tokenmill:lora_adapter_info from the pods' /metrics). A pass that read no pod keeps the last answer
+    for the adapters still listed."""
+    if spec.lora is None:
+        return None
+    pods = [r for key, r in engines.readings.items() if key != TOTAL]
+    old = {a.get("name"): a for a in (previous.get("lora") or {}).get("adapters") or []}
+    adapters = []
+    for a in spec.lora.adapters:
+        kept = old.get(a.name)
+        if not pods and kept is not None and kept.get("uri") == a.uri:
+            adapters.append(kept)
+            continue
+        states = [r.lora.get(a.name) for r in pods]
+        loaded = sum(1 for s in states if s is not None and s[0] == "loaded")
+        entry = {"name": a.name, "uri": a.uri, "loaded": bool(pods) and loaded == len(pods),
+                 "pods": f"{loaded}/{len(pods)}"}  # fmt: skip
+        failed = [s[1] for s in states if s is not None and s[0] == "failed"]
+        if failed:
+            entry["reason"] = failed[0]
+        elif not pods:
+            entry["reason"] = "no ready engine pod has reported yet"
+        elif loaded < len(pods):
+            entry["reason"] = "not yet loaded by every ready pod (the kubelet passes a ConfigMap change on within about a minute)"
+        adapters.append(entry)
+    return {"configMap": lora_config_name(spec), "loaded": sum(1 for e in adapters if e["loaded"]), "adapters": adapters}
 
 
 def router_state(spec: ServiceSpec, live: Live) -> RouterState | None:

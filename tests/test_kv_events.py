@@ -280,3 +280,18 @@ def test_a_taken_endpoint_fails_startup_with_its_reason(tiny_model) -> None:
             ))  # fmt: skip
     finally:
         sub.close()
+
+
+def test_the_cost_benchmark_delivers_every_event_to_its_subscriber(capsys) -> None:
+    """`python -m tokenmill.engine.bench.kv_events` (docs/serving.md) at a small scale: its subscriber
+    process receives the events of every block the scheduler-only runs filled."""
+    import re
+
+    from tokenmill.engine.bench.kv_events import main
+
+    main(["--skip-model", "--batch", "4", "--prompt-len", "32", "--max-tokens", "32", "--scheduler-rounds", "1"])
+    out = capsys.readouterr().out
+    events = int(re.search(r"the subscriber got \d+ batches, (\d+) events", out).group(1))
+    # Two scheduler-only runs (on and off) of 4 prompts of 16-48 tokens plus 32 generated tokens: the
+    # "on" run stores every full block it computes, one event per run of new blocks per sequence.
+    assert events >= 4 and "x" in out

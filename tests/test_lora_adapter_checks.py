@@ -98,3 +98,24 @@ def test_missing_files_and_bad_names(models, tmp_path):
         with pytest.raises(LoRAAdapterError, match="is not valid"):
             check_lora_name(bad)
     check_lora_name("team-a/sql-v2")
+
+
+def test_hub_adapters_download_only_their_two_files_at_the_revision(models, tmp_path, monkeypatch):
+    from hub_standin import HubStandin
+    from tokenmill.engine.model.resolve import resolve_adapter
+    from tokenmill.engine.model.source import ModelSourceError
+
+    folder = _copy(models, "hub")
+    (folder / "README.md").write_text("not fetched")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with HubStandin() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        sha = hub.add_repo("acme/sql-lora", folder, tags=("v1",))
+        got = resolve_adapter("hf://acme/sql-lora@v1")
+        assert got.name == sha and str(got).startswith(str(tmp_path / "hf"))
+        assert {p.name for p in got.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+        read_adapter(got, load_model_config(models["llama"]), max_lora_rank=8)
+        with pytest.raises(ModelSourceError, match="repo acme/missing not found"):
+            resolve_adapter("hf://acme/missing")

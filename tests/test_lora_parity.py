@@ -3,6 +3,7 @@
 through chunked prefill, prefix-cache hits, preemption and more adapters than slots; the same under tensor
 parallelism; and a prefix computed under one adapter is never served to another or to the base model."""
 
+import functools
 import pathlib
 
 import pytest
@@ -43,14 +44,14 @@ FIRST = [(None, 0), ("a", 0), ("b", 0)]
 SECOND = [(None, 1), ("a", 1), ("b", 1), ("c", 2), ("a", 3), (None, 2), ("c", 0), ("b", 3)]
 
 
-def _run(base: pathlib.Path, adapters: dict[str, pathlib.Path], *, tp: int = 1, masked: bool = False,
+def _run(base: pathlib.Path, adapters: dict[str, pathlib.Path], *, tp: int = 1, pp: int = 1, masked: bool = False,
          num_kv_blocks: int = 10) -> tuple[dict[int, list[int]], dict]:  # fmt: skip
     """Tokens per row of FIRST + SECOND through one engine with 2 slots for 3 adapters, a 24-token step
     budget and a pool of 10 blocks of 16 (preemptions); masked: the CUDA path's masked product, on CPU."""
     config = EngineConfig(
         model=str(base), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
         max_cpu_loras=2, num_kv_blocks=num_kv_blocks, max_model_len=64, max_num_batched_tokens=24,
-        tensor_parallel_size=tp, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
     )  # fmt: skip
     core = EngineCore(config)
     if masked:
@@ -103,6 +104,7 @@ def tiny_root(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("lora")
 
 
+@functools.cache  # one model and its adapters per architecture for the whole module
 def _model_and_adapters(root: pathlib.Path, arch: str) -> tuple[pathlib.Path, dict[str, pathlib.Path]]:
     base = make_tiny_model(root / arch, arch, vocab_size=1000)
     return base, _adapters(base, root / arch / "adapters")
@@ -125,9 +127,10 @@ def test_masked_product_of_cuda_graphs_equals_peft_on_cpu(tiny_root):
     assert got == _reference(base, adapters)
 
 
-def test_tensor_parallel_rows_equal_peft(tiny_root):
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_parallel_rows_equal_peft(tiny_root, tp, pp):
     base, adapters = _model_and_adapters(tiny_root, "qwen2")  # qkv biases; 4 heads, 2 KV heads: TP=2
-    got, stats = _run(base, adapters, tp=2)
+    got, stats = _run(base, adapters, tp=tp, pp=pp)
     assert got == _reference(base, adapters)
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_in_use"] == 0
 

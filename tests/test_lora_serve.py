@@ -40,11 +40,19 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(files, tmp_path_factory):
+def modules_file(files):
+    path = files["root"] / "modules.json"
+    path.write_text(json.dumps([{"name": "f1", "path": str(files["c"])}, {"name": "broken", "path": "/nonexistent"}]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(files, modules_file, tmp_path_factory):
     yield from serving(
         "--model", str(files["base"]), "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512",
         "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "2",
         "--lora-modules", f"a={files['a']}", json.dumps({"name": "b", "path": str(files["b"])}),
+        "--lora-modules-file", str(modules_file),
         "--allow-runtime-lora-updating", log_dir=tmp_path_factory.mktemp("serve"),
     )  # fmt: skip
 
@@ -87,7 +95,7 @@ def test_models_lists_adapters_with_their_parent(server, files):
     data = httpx.get(f"{server.url}/v1/models").json()["data"]
     cards = {m["id"]: m for m in data}
     base = data[0]["id"]
-    assert set(cards) == {base, "a", "b"}
+    assert set(cards) == {base, "a", "b", "f1"}
     assert cards[base]["parent"] is None
     assert cards["a"]["parent"] == base and cards["b"]["parent"] == base
     assert cards["a"]["root"] == str(files["a"])
@@ -182,6 +190,32 @@ def test_a_pool_full_of_adapters_in_use_is_429_and_the_gauge_shows_them(server, 
     assert r.status_code == 200, r.text
 
 
+def test_the_modules_file_is_followed_without_a_restart(server, client, files, modules_file, want):
+    def adapter_info() -> dict[str, str]:
+        return {k: v for k, v in server.metrics().items() if k.startswith("tokenmill:lora_adapter_info")}
+
+    info = adapter_info()
+    assert "tokenmill:lora_adapter_info{lora_name=f1,reason=,status=loaded}" in info
+    failed = [k for k in info if "lora_name=broken" in k]
+    assert len(failed) == 1 and "status=failed" in failed[0] and "/nonexistent" in failed[0]
+    assert _complete(client, "f1") == ("f1", want["c"])
+
+    # The kubelet swaps a ConfigMap's files by rename: f1 goes, f2 comes (a's weights), broken is fixed.
+    new = modules_file.with_suffix(".new")
+    new.write_text(json.dumps([{"name": "f2", "path": str(files["a"])}, {"name": "broken", "path": str(files["b"])}]))
+    new.replace(modules_file)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        names = {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        if "f2" in names and "f1" not in names and "broken" in names:
+            break
+        time.sleep(0.5)
+    assert {"f2", "broken"} <= names and "f1" not in names
+    assert _complete(client, "f2") == ("f2", want["a"]) and _complete(client, "broken") == ("broken", want["b"])
+    assert all("status=loaded" in k for k in adapter_info())
+    assert server.proc.poll() is None
+
+
 # ---- pieces, no server ---------------------------------------------------------------------------------
 def test_runtime_routes_are_off_without_the_flag_and_say_how_to_turn_them_on(files):
     from tokenmill.engine.model_config import load_model_config
@@ -216,3 +250,37 @@ def test_flags_parse_as_vllms():
         parse_args(["--lora-modules", "a=/x", "a=/y"], environ={})
     with pytest.raises(SystemExit):
         parse_args(["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], environ={})
+
+
+def test_the_lora_gauge_reads_as_vllms_under_both_endpoint_picker_rules(monkeypatch):
+    """vLLM keeps every label set it ever wrote (value: the time it last wrote it); the endpoint picker v1.5.0
+    takes the series with the largest value, among all (its datalayer extractor) or among those naming an
+    adapter (its older metrics client). Ours keeps two series; both rules must pick what they pick in vLLM's."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from tokenmill.engine.core import SchedulerStats
+    from tokenmill.engine.server import prometheus
+    from tokenmill.engine.server.prometheus import ServerMetrics
+
+    clock = iter(range(1_000, 2_000))
+    monkeypatch.setattr(prometheus.time, "time", lambda: float(next(clock)))
+    m = ServerMetrics("m", 512)
+    m.enable_lora(2)
+    vllm: dict[tuple, float] = {}  # vLLM's exposition: every label set, its last time
+    steps = [({"a": 1}, {}), ({"a": 2}, {"b": 1}), ({}, {}), ({"b": 1}, {}), ({}, {}), ({}, {}), ({"a": 1}, {"c": 3})]
+    for running, waiting in steps:
+        m.record_step(SchedulerStats(running_lora_adapters=running, waiting_lora_adapters=waiting), 0, 0)
+        ours = {}
+        for f in text_string_to_metric_families(m.render()[0].decode()):
+            for s in f.samples:
+                if s.name == "vllm:lora_requests_info":
+                    ours[(s.labels["max_lora"], s.labels["waiting_lora_adapters"], s.labels["running_lora_adapters"])] = s.value
+        newest = max(ours.values())
+        vllm[next(k for k, v in ours.items() if v == newest)] = newest
+        assert len(ours) <= 2
+
+        def latest(series: dict, named_only: bool):
+            named = {k: v for k, v in series.items() if not named_only or k[1] or k[2]}
+            return max(named, key=named.get) if named else None
+
+        for named_only in (False, True):
+            assert latest(ours, named_only) == latest(vllm, named_only), (running, waiting, named_only)

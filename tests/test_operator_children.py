@@ -90,15 +90,16 @@ def test_probes_use_health_and_the_startup_budget_covers_loading():
     for probe in ("readinessProbe", "startupProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
-    # 600 s + 16,060,522,496 bytes read at 100 MB/s (161 s) + downloaded at 50 MB/s (322 s); every 10 s
+    # 600 s + 16,060,522,496 bytes read at 100 MB/s (161 s) + downloaded at 50 MB/s (322 s); every 2 s
     assert startup_timeout_seconds(spec, p) == 1083
+    assert c["startupProbe"]["periodSeconds"] == 2
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1083
-    assert c["startupProbe"]["failureThreshold"] == 109
+    assert c["startupProbe"]["failureThreshold"] == 542
     assert dep["spec"]["progressDeadlineSeconds"] > 1083  # a slow load is not a failed rollout
     pvc_spec, pvc_plan, _ = build({"model": {"uri": "pvc://m/llama-3.1-8b"}, "resources": {"gpu": {"type": "nvidia-l4"}}})
     assert startup_timeout_seconds(pvc_spec, pvc_plan) == 761  # nothing to download
     _spec2, _p2, dep2 = build(smol(engine={"startupTimeoutSeconds": 120}))
-    assert container(dep2)["startupProbe"]["failureThreshold"] == 12
+    assert container(dep2)["startupProbe"]["failureThreshold"] == 60
 
 
 def test_restricted_security_context():

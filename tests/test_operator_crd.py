@@ -192,6 +192,8 @@ def full_object() -> dict:
             "model": {"uri": "hf://acme/my-llama@v2", "name": "my-llama",
                       "tokenSecretRef": {"name": "hf-token", "key": "HF_TOKEN"},
                       "cache": {"size": "200Gi", "storageClassName": "fast-rwx", "accessMode": "ReadWriteMany"},
+                      "lora": {"adapters": [{"name": "sql", "uri": "hf://acme/sql-lora@v1"}], "maxRank": 32,
+                               "maxAdapters": 2},
                       "profile": {"base": "Llama-3.1-8B", "parameters": 8_030_261_248, "layers": 32, "hiddenSize": 4096,
                                   "intermediateSize": 14336, "numAttentionHeads": 32, "numKeyValueHeads": 8,
                                   "headDim": 128, "vocabSize": 128256, "maxPositionEmbeddings": 131072,
@@ -244,6 +246,7 @@ def test_every_schema_field_is_read_by_the_parser(spec_schema):
     assert spec.token_secret == ("hf-token", "HF_TOKEN") and spec.cache.storage_class == "fast-rwx"
     assert spec.routing.gateway_name == "inference-gateway" and spec.routing.gateway_namespace == "gateways"
     assert spec.scaling.idle_seconds == 900 and spec.engine.kv_cache_dtype == "int8"
+    assert spec.lora.adapters[0].uri == "hf://acme/sql-lora@v1" and (spec.lora.max_rank, spec.lora.max_adapters) == (32, 2)
     obj["spec"]["model"]["cache"] = {"claimName": "shared-models"}
     assert parse_inference_service(obj).cache.claim_name == "shared-models"
 

@@ -17,7 +17,8 @@ import sys
 import pytest
 import yaml
 from hub_standin import HubStandin
-from test_operator_reconcile import NS, FakeApi
+from test_operator_reconcile import NS
+from test_operator_router_reconcile import POOL_API, ServedApi
 from tokenmill.operator import reconcile as rec
 from tokenmill.operator.observe.hub import HubCache
 
@@ -57,7 +58,7 @@ def hub(bundled_model_dir, tmp_path_factory):
 def engine_container(doc: dict, hub_url: str, tmp_path: pathlib.Path, status: dict | None = None) -> dict | None:
     """The engine container the operator's reconcile writes for this manifest (None: it creates none);
     `status` gets the status the reconcile wrote."""
-    api = FakeApi()
+    api = ServedApi(POOL_API)  # routed examples need the InferencePool API
     body = {**doc, "metadata": {**doc["metadata"], "namespace": NS, "uid": "uid-1", "generation": 1}}
     for ref in (doc["spec"].get("apiKeySecretRef"), doc["spec"]["model"].get("tokenSecretRef")):
         if ref:

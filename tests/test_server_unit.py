@@ -205,8 +205,9 @@ def test_metrics_render_every_contract_name_with_the_model_label():
     body, content_type = m.render()
     assert content_type.startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    # vllm:lora_requests_info exists with --enable-lora only, without model_name as in vLLM (test_lora_serve.py)
-    contract = {getattr(metric_names, n) for n in dir(metric_names) if n.isupper() and n not in ("LABEL_MODEL", "LORA_REQUESTS_INFO")}
+    # the LoRA gauges exist with --enable-lora only (vllm:lora_requests_info without model_name, as in vLLM):
+    # tests/test_lora_serve.py
+    contract = {getattr(metric_names, n) for n in dir(metric_names) if n.isupper() and n not in ("LABEL_MODEL", "LORA_REQUESTS_INFO", "LORA_ADAPTER_INFO")}
     assert contract <= set(families)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples

@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--workloads", default="random,prefix", help="comma list of random, prefix")
     p.add_argument("--clients", default="vllm,tokenmill", help="comma list of vllm, tokenmill (bench serve)")
+    p.add_argument("--gguf", default=None, help="a GGUF file tokenmill and llama.cpp serve (default: the bundled "
+                   "model's; vLLM serves the bundled model's folder)")  # fmt: skip
     return parser
 
 
@@ -503,13 +505,20 @@ def cmd_peers(args: argparse.Namespace) -> int:
     if not clients or any(c not in peers.CLIENTS for c in clients):
         raise ValueError(f"--clients takes a comma list of {', '.join(peers.CLIENTS)}; got {args.clients!r}")
     out = Path(args.out)
-    rows = peers.run_peers(engines, concurrencies, args.num_prompts, out, _model_dir(None),
-                           str(bundled_gguf_path()), port=args.port, workloads=workloads,
-                           clients=clients)  # fmt: skip
+    gguf = Path(args.gguf).resolve() if args.gguf else bundled_gguf_path()
+    if not gguf.is_file():
+        raise ValueError(f"--gguf {args.gguf}: no such file")
+    hf_dir = _model_dir(str(gguf))  # config and tokenizer (vLLM's client reads the tokenizer)
+    if "vllm" in engines:  # vLLM serves a Hugging Face folder: the GGUF's weights dequantized (fp32)
+        from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
+
+        hf_dir = str(dequantized_copy_cached(gguf))
+    rows = peers.run_peers(engines, concurrencies, args.num_prompts, out, hf_dir, str(gguf), port=args.port,
+                           workloads=workloads, clients=clients)  # fmt: skip
     table = peers.ratio_table(rows)
     machine = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     (out / "peers.md").write_text(peers.markdown(table))
-    peers.plot(table, str(out / "peers.png"), f"bundled SmolLM2-135M, {machine}")
+    peers.plot(table, str(out / "peers.png"), f"{gguf.name if args.gguf else 'bundled SmolLM2-135M'}, {machine}")
     print(peers.markdown(table))
     _emit({"table": table}, str(out / "peers.json"))
     return 0

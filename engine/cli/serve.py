@@ -19,6 +19,7 @@ import re
 
 from tokenmill.engine.config import (
     DEFAULT_LIVENESS_STALL_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_READINESS_STALL_S,
     DEFAULTS,
     EngineConfig,
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=256,
         help="answer 429 when this many admitted requests wait to be scheduled; 0: no limit",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="answer 413 to a request body larger than this, declared or chunked "
+        f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES // 2**20}MiB)",
     )
     p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULTS.max_num_batched_tokens)
@@ -238,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
         "hf://ORG/NAME[@REV], pvc://CLAIM/PATH or file:///PATH); implies --enable-lora",
     )
     p.add_argument(
+        "--lora-modules-file",
+        default=None,
+        help='a JSON list of {"name": NAME, "path": PATH} read before the server is ready and again whenever '
+        "it changes: adapters added, changed and removed without a restart (the operator mounts its ConfigMap "
+        "here); one that fails to load is reported in tokenmill:lora_adapter_info and does not stop the server; "
+        "implies --enable-lora",
+    )
+    p.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
         help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
@@ -349,7 +365,7 @@ def _resolve_lora(args: argparse.Namespace, env: dict[str, str], parser: argpars
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         parser.error(f"--lora-modules names {', '.join(dup)} more than once")
-    args.enable_lora = args.enable_lora or bool(args.lora_modules)
+    args.enable_lora = args.enable_lora or bool(args.lora_modules) or bool(args.lora_modules_file)
     args.allow_runtime_lora_updating = runtime_updates_allowed(args.allow_runtime_lora_updating, env)
     if args.allow_runtime_lora_updating and not args.enable_lora:
         parser.error("--allow-runtime-lora-updating needs --enable-lora")

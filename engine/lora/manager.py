@@ -18,6 +18,7 @@ from tokenmill.engine.lora.peft import read_adapter
 from tokenmill.engine.lora.weights import LoRAWeights, load_lora_weights
 from tokenmill.engine.lora_memory import FUSED_TARGETS, lora_dtype, lora_shapes
 from tokenmill.engine.lora_request import LoRARequest
+from tokenmill.engine.model.resolve import resolve_adapter
 from tokenmill.engine.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class LoRAModelManager:
         if weights is not None:
             self.host.move_to_end(lora.lora_int_id)
             return weights
-        info = read_adapter(lora.lora_path, self.mc, self.max_lora_rank, lora.lora_name)
+        # A hub URI is resolved in this rank's own hub cache (downloaded there on a miss); a folder is itself.
+        info = read_adapter(resolve_adapter(lora.lora_path), self.mc, self.max_lora_rank, lora.lora_name)
         weights = load_lora_weights(
             info, lora.lora_int_id, self.mc, self.par, self.max_lora_rank, self.shapes, len(self.layer_slots),
             self.dtype,

@@ -281,7 +281,8 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack()
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head_packed = prepack_weight(weight)
+            if weight is not None:  # None: loaded as codes, which serve every batch
+                self.lm_head_packed = prepack_weight(weight)
 
     def attach_weight_codes(self, cache: CodesCache | None = None) -> None:
         """Before a cast of this fp32 model to bf16 on CPU: keep the integer codes of every projection
@@ -355,6 +356,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_cpu(blocks, keep_fp32, cache)
         if self.par.is_last_stage:
+            if self.lm_head is None and self.model.embed_tokens.weight is None:
+                return  # loaded as codes: lm_head_packed_cpu holds them
             if self.lm_head is None:
                 embed = self.model.embed_tokens
                 self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False, cache=cache)

@@ -39,7 +39,7 @@ def fused_layers_enabled() -> bool:
 
 def _linear_parts(lin: Linear) -> list[torch.Tensor] | None:
     packed = lin.packed_cpu
-    if packed is None or packed.codes is None:
+    if getattr(packed, "codes", None) is None:  # none, fp32 panels, or another layout (grouped_codes.py)
         return None
     bias = lin.bias_fp32 if lin.bias_fp32 is not None else torch.empty(0)
     return [packed.codes, packed.scales, packed.mins, bias]

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+from tokenmill.engine.server.body_limit import BodyLimitMiddleware
 from tokenmill.engine.server.chat_messages import render_chat_prompt, validate_messages
 from tokenmill.engine.server.disconnect import ClientDisconnected
 from tokenmill.engine.server.errors import OpenAIError, bad_request, error_response, validation_message
@@ -83,6 +84,8 @@ def build_app(
     health_cfg = health_config or HealthConfig()
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokenmill = state
+    # The last added runs first: the key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=state.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, state=state)
 
     @app.exception_handler(OpenAIError)
@@ -145,11 +148,14 @@ def build_app(
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         serving = _runtime_lora(state)
         await asyncio.to_thread(serving.load, req.lora_name, req.lora_path, set(state.served_model_names))
+        state.metrics.set_lora_adapters(list(serving.adapters), serving.failed)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
-        _runtime_lora(state).unload(req.lora_name)
+        serving = _runtime_lora(state)
+        serving.unload(req.lora_name)
+        state.metrics.set_lora_adapters(list(serving.adapters), serving.failed)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     # ---- tokenizer -------------------------------------------------------------------------------

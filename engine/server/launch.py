@@ -25,7 +25,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.server.app import build_app
 from tokenmill.engine.server.errors import OpenAIError
 from tokenmill.engine.server.health import HealthConfig
-from tokenmill.engine.server.lora import LoRAServing
+from tokenmill.engine.server.lora import LoRAServing, read_lora_modules_file
 from tokenmill.engine.server.prometheus import ServerMetrics
 from tokenmill.engine.server.state import ServerState
 from tokenmill.engine.server.tools.request import template_uses_tools
@@ -115,6 +115,7 @@ async def bring_up(
             server.exit_soon(1)
             return
         metrics.enable_lora(config.max_loras)
+        metrics.set_lora_adapters(list(lora.adapters), lora.failed)
     engine = AsyncLLM(
         client,
         tokenizer,
@@ -144,6 +145,8 @@ async def bring_up(
         else "the chat template ignores them: written into the system message (Hermes format)",
         state.tool_call_parser,
     )
+    if lora is not None and args.lora_modules_file:
+        state.extra["lora_file_task"] = asyncio.get_running_loop().create_task(watch_lora_modules_file(state, args))
     if state.status == "loading":
         state.status, state.status_detail = "ready", "ok"
     logger.info("%s", capacity.describe())
@@ -175,10 +178,52 @@ async def register_lora_modules(
         except OpenAIError as e:
             raise ValueError(f"--lora-modules {module.name}={module.path}: {e.message}") from None
         logger.info("LoRA adapter %r (id %d) from %s", added.lora_name, added.lora_int_id, added.lora_path)
+    if args.lora_modules_file:  # before the server is ready: the adapters it lists are served from the start
+        await sync_lora_modules_file(lora, args.lora_modules_file, set(state.served_model_names), retry=False)
     logger.info("LoRA: %d adapters registered; %d slots of rank %d, %d in host memory; runtime loading %s",
                 len(lora.adapters), config.max_loras, config.max_lora_rank, max_cpu_loras(config),
                 "on" if lora.allow_runtime_updates else "off (--allow-runtime-lora-updating)")  # fmt: skip
     return lora
+
+
+LORA_FILE_POLL_S = 2.0  # how often --lora-modules-file is looked at (a stat; read only when it changed)
+LORA_RETRY_S = 30.0  # how often adapters that failed to load are tried again
+
+
+async def sync_lora_modules_file(lora: LoRAServing, path: str, reserved: set[str], retry: bool) -> bool:
+    """One pass over --lora-modules-file; a file that is missing or not valid is logged and changes nothing."""
+    try:
+        modules = await asyncio.to_thread(read_lora_modules_file, path)
+    except (OSError, ValueError) as e:
+        logger.error("--lora-modules-file %s: %s; adapters unchanged", path, e)
+        return False
+    changed = await asyncio.to_thread(lora.sync_file, modules, reserved, retry)
+    if changed:
+        for name, reason in lora.failed.items():
+            logger.error("LoRA adapter %r from %s failed to load: %s", name, path, reason)
+        logger.info("LoRA adapters from %s: %s", path, ", ".join(sorted(lora.from_file)) or "none")
+    return changed
+
+
+async def watch_lora_modules_file(state: ServerState, args: argparse.Namespace) -> None:
+    """Follow --lora-modules-file: the kubelet rewrites a mounted ConfigMap when it changes (by swapping a
+    symlink, so the path's stat changes)."""
+    path, last, last_retry = args.lora_modules_file, None, time.monotonic()
+    while True:
+        await asyncio.sleep(LORA_FILE_POLL_S)
+        try:
+            st = os.stat(path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = None
+        retry = bool(state.lora.failed) and time.monotonic() - last_retry >= LORA_RETRY_S
+        if key == last and not retry:
+            continue
+        last = key
+        if retry:
+            last_retry = time.monotonic()
+        if await sync_lora_modules_file(state.lora, path, set(state.served_model_names), retry):
+            state.metrics.set_lora_adapters(list(state.lora.adapters), state.lora.failed)
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig, launched: MPClient | None = None) -> int:
@@ -188,6 +233,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig, launched: MPClien
         served_model_names=list(args.served_model_name),
         api_key=args.api_key or None,
         require_auth_for_metrics=args.require_auth_for_metrics,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     holder: dict[str, Server] = {}
 

@@ -6,6 +6,8 @@ iteration tokens, queue time), which sends SchedulerStats with every step, and t
 and exported by the API process. Each server owns its registry, so in-process tests can run several.
 """
 
+import time
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -177,6 +179,7 @@ class ServerMetrics:
         )
 
         self._lora_info: Gauge | None = None
+        self._lora_last_named: tuple[tuple[str, str, str], float] | None = None
         self.max_lora = 0
 
     def enable_lora(self, max_loras: int) -> None:
@@ -188,6 +191,19 @@ class ServerMetrics:
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=self.registry,
         )
+        self._lora_adapters = Gauge(
+            names.LORA_ADAPTER_INFO,
+            "LoRA adapters this server serves (status loaded) or failed to load (status failed, with the reason).",
+            [names.LABEL_MODEL, "lora_name", "status", "reason"],
+            registry=self.registry,
+        )
+
+    def set_lora_adapters(self, loaded: list[str], failed: dict[str, str]) -> None:
+        self._lora_adapters.clear()
+        for name in loaded:
+            self._lora_adapters.labels(self.model_name, name, "loaded", "").set(1)
+        for name, reason in failed.items():
+            self._lora_adapters.labels(self.model_name, name, "failed", reason[:500]).set(1)
 
     # ---- set once ------------------------------------------------------------------------------
     def set_capacity(self, capacity: object, enable_prefix_caching: bool) -> None:
@@ -221,13 +237,23 @@ class ServerMetrics:
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
         if self._lora_info is not None:
-            # vLLM sets a new label set each step and keeps the old ones; readers take the latest value.
-            # One series is kept here (the latest): the same answer for them, without a series for every
-            # combination of adapters ever seen.
-            self._lora_info.clear()
-            self._lora_info.labels(
-                str(self.max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)
-            ).set_to_current_time()
+            self._record_lora(stats)
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
+        """vLLM sets a new label set every step, value the time, and never drops one; the endpoint picker
+        reads the series with the largest value: v1.5.0's extractor among all series, its older metrics
+        client among those with a running or waiting adapter. Kept here: the latest series and the latest
+        one that names an adapter, which both rules read exactly as they read vLLM's, without a series for
+        every combination of adapters ever seen."""
+        labels = (str(self.max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
+        now = time.time()
+        self._lora_info.clear()
+        self._lora_info.labels(*labels).set(now)
+        if labels[1] or labels[2]:
+            self._lora_last_named = (labels, now)
+        elif self._lora_last_named is not None:
+            named, when = self._lora_last_named
+            self._lora_info.labels(*named).set(when)
 
     def set_waiting(self, num_waiting: int) -> None:
         self.num_waiting.set(num_waiting)

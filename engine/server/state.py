@@ -4,6 +4,7 @@ status /health reports; model checks and admission (the 429 when the waiting que
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engine.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tokenmill.engine.core.client import EngineDeadError
 from tokenmill.engine.frontend.async_llm import AsyncLLM, LoRAPoolFullError, QueueFullError
 from tokenmill.engine.lora_request import LoRARequest
@@ -21,6 +22,7 @@ class ServerState:
     model_root: str = ""
     api_key: str | None = None
     require_auth_for_metrics: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get a 413 (body_limit.py)
     engine: AsyncLLM | None = None
     metrics: Any = None  # ServerMetrics
     tokenizer: Any = None

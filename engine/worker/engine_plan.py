@@ -9,14 +9,17 @@ pod spends minutes loading a model that cannot run.
 """
 
 import dataclasses
+import json
 import pathlib
 from dataclasses import dataclass
 
-from tokenmill.engine import kv_memory, lora_memory
+from tokenmill.engine import kv_memory, lora_memory, quant_memory
 from tokenmill.engine.config import EngineConfig, check_engine_config
 from tokenmill.engine.distributed.parallel_state import validate_parallel
+from tokenmill.engine.gguf_header import read_gguf_header
 from tokenmill.engine.model.resolve import resolve_model
 from tokenmill.engine.model_config import ModelConfig, load_model_config
+from tokenmill.engine.quant_memory import QuantizedWeights
 from tokenmill.engine.worker.device import check_fp8_device, resolve_device, resolve_dtype
 
 # Default KV pool on CPU when neither num_kv_blocks nor kv_cache_memory is given.
@@ -42,6 +45,9 @@ class EnginePlan:
     lora_slot_bytes: int = 0
     # The cache's dtype, resolved (kv_memory.resolve_kv_cache_dtype): the model's, or int8 / fp8_e4m3 / fp8_e5m2.
     kv_cache_dtype: str = "float32"
+    # The weights as the engine will hold them (quant_memory.py: quantized checkpoints as codes on a CPU),
+    # the same count the operator's sizing makes; all ranks together.
+    weights: QuantizedWeights | None = None
 
     @property
     def device_type(self) -> str:
@@ -88,11 +94,60 @@ def plan_engine(config: EngineConfig, revision: str | None = None, *, config_onl
         )  # fmt: skip
     plan = EnginePlan(
         dataclasses.replace(config, model=str(path)), path, mc, device, dtype, max_model_len, kv_per_token,
-        num_blocks, lora_bytes, kv_cache_dtype,
+        num_blocks, lora_bytes, kv_cache_dtype, model_weights(path, device_type, dtype, tp),
     )  # fmt: skip
     if num_blocks is not None:
         check_kv_pool(plan, num_blocks)
+        if device_type == "cpu" and not config_only:  # `serve --check` also checks argv meant for GPU pods
+            check_cpu_memory(plan, num_blocks)
     return plan
+
+
+def model_weights(path: pathlib.Path, device_type: str, dtype: str, tensor_parallel: int) -> QuantizedWeights:
+    """The weights' bytes as held on this device (quant_memory.py): a GGUF from its header, a safetensors
+    checkpoint (AWQ / GPTQ or not) from its config.json, so `serve --check` counts a hub model without
+    its weights."""
+    from tokenmill.kernels.cpu_probe import probe
+
+    codes = quant_memory.codes_held(device_type, dtype, tensor_parallel, probe().at_least("avx512_bf16"))
+    gguf = path / "model.gguf"
+    if gguf.exists():
+        return quant_memory.gguf_weights(read_gguf_header(gguf).tensors, dtype, codes)
+    return quant_memory.config_weights(json.loads((path / "config.json").read_text()), dtype, codes)
+
+
+def memory_limit_bytes() -> int | None:
+    """This process's memory limit: its cgroup's memory.max (a pod's limit), else the machine's MemTotal."""
+    try:
+        raw = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if raw != "max":
+            return int(raw)
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cpu_memory(plan: EnginePlan, num_blocks: int) -> None:
+    """Refuse a CPU engine whose weights (as held) and KV pool alone exceed the memory it may use: it would
+    be killed while loading or on its first long batch."""
+    limit = memory_limit_bytes()
+    if limit is None or plan.weights is None:
+        return
+    pool = num_blocks * plan.config.block_size * plan.kv_bytes_per_token
+    need = plan.weights.loaded_bytes + pool
+    if need > limit:
+        raise ValueError(
+            f"the model's weights take {plan.weights.loaded_bytes / 2**30:.2f} GiB as held in {plan.dtype} "
+            f"({plan.weights.bytes_per_weight:.3f} bytes per weight) and the KV pool {pool / 2**30:.2f} GiB: "
+            f"{need / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB this process may use; lower "
+            "--kv-cache-memory or --num-kv-blocks, or serve a smaller or more quantized model"
+        )
 
 
 def check_kv_pool(plan: EnginePlan, num_blocks: int) -> None:

@@ -8,6 +8,7 @@ from tokenmill.operator.children.deployment import desired_deployment
 from tokenmill.operator.children.httproute import desired_httproute
 from tokenmill.operator.children.inferencepool import desired_inference_pool
 from tokenmill.operator.children.leaderworkerset import desired_leaderworkerset, is_multi_node, leader_only
+from tokenmill.operator.children.lora_config import desired_lora_config
 from tokenmill.operator.children.pdb import desired_pdb
 from tokenmill.operator.children.pod import engine_args
 from tokenmill.operator.children.router import RouterSettings, desired_router
@@ -24,6 +25,7 @@ class Desired:
     service: dict
     pdb: dict | None  # None: the service runs one replica at most, and a PDB of ours goes
     cache_claim: dict | None  # None: no claim of ours (the user names one, or there is no cache)
+    lora_config: dict | None = None  # spec.model.lora's ConfigMap (children/lora_config.py); None: no adapters
     # spec.routing: the router's children in apply order (ServiceAccount, RoleBinding, ConfigMap, Deployment,
     # Service, InferencePool, and the HTTPRoute in gateway mode); empty without routing.
     router: list[dict] = field(default_factory=list)
@@ -49,4 +51,4 @@ def desired_children(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: 
         if spec.routing.gateway_name is not None:
             routed.append(desired_httproute(spec))
     return Desired(workload, summary, desired_service(spec, only), desired_pdb(spec), desired_cache_claim(spec),
-                   routed)
+                   desired_lora_config(spec), routed)

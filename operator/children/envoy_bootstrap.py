@@ -36,9 +36,12 @@ def _ready_listener() -> dict:
                  route_config={"name": "ready", "virtual_hosts": [{"name": "ready", "domains": ["*"], "routes": [
                      {"match": {"prefix": "/stats/prometheus"}, "route": {"cluster": "admin"}}]}]},
                  http_filters=[
+                     # Ready only while the picker answers its health check: a router pod whose Envoy is up
+                     # before the picker listens would fail every request (seen: a 500 right after start).
                      {"name": "envoy.filters.http.health_check", "typed_config": _typed(
                          "envoy.extensions.filters.http.health_check.v3.HealthCheck", pass_through_mode=False,
-                         headers=[{"name": ":path", "string_match": {"exact": "/ready"}}])},
+                         headers=[{"name": ":path", "string_match": {"exact": "/ready"}}],
+                         cluster_min_healthy_percentages={"ext_proc": {"value": 100}})},
                      {"name": "envoy.filters.http.router",
                       "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router")}])
     return {"name": "ready", "address": {"socket_address": {"address": "0.0.0.0", "port_value": READY_PORT}},
@@ -82,6 +85,7 @@ def _http_listener(request_ttl_seconds: int) -> dict:
         stream_idle_timeout=STREAM_TIMEOUT,
         local_reply_config=_local_replies(),
         use_remote_address=True,
+        preserve_external_request_id=True,  # a client's x-request-id is kept: logs correlate end to end
         normalize_path=True,
         merge_slashes=True,
         access_log=[{"name": "envoy.access_loggers.stdout", "typed_config": _typed(

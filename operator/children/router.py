@@ -59,7 +59,9 @@ def _metadata(spec: ServiceSpec, component: str) -> dict:
 
 
 def router_config(spec: ServiceSpec, plan: SizingPlan, request_ttl_seconds: int) -> dict:
-    data = {PICKER_CONFIG_KEY: yaml.safe_dump(endpoint_picker_config(plan, request_ttl_seconds), sort_keys=False)}
+    # LoRA adapters (spec.model.lora): the picker also prefers a pod that has the request's adapter loaded.
+    picker = endpoint_picker_config(plan, request_ttl_seconds, lora=spec.lora is not None)
+    data = {PICKER_CONFIG_KEY: yaml.safe_dump(picker, sort_keys=False)}
     if spec.routing.gateway_name is None:
         data[ENVOY_CONFIG_KEY] = yaml.safe_dump(envoy_bootstrap(request_ttl_seconds), sort_keys=False)
     return stamp({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(spec, "router"), "data": data})
@@ -75,6 +77,9 @@ def _picker_container(spec: ServiceSpec, image: str) -> dict:
             f"--config-file=/config/{PICKER_CONFIG_KEY}",
             f"--grpc-port={EXT_PROC_PORT}", f"--grpc-health-port={GRPC_HEALTH_PORT}",
             f"--metrics-port={EPP_METRICS_PORT}",
+            # gRPC health on the ext_proc port too: what Envoy's (and a gateway's) health check of the picker
+            # asks; without it the check never passes and the router pod never turns Ready.
+            "--health-checking=true",
             # The operator reads the flow-control queue from /metrics (scale from zero) as it reads the
             # engines': in-cluster, no token. pprof and tracing are off: nothing collects them.
             "--metrics-endpoint-auth=false", "--enable-pprof=false", "--tracing=false",

@@ -42,6 +42,8 @@ class PodReading:
     timestamp: float | None = None  # sample time (Prometheus); None = read just now
     capacity: dict = field(default_factory=dict)  # status.sizing.measured keys
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total (pod scrapes): a change is a request
+    # tokenmill:lora_adapter_info (pod scrapes): adapter name -> (loaded | failed, the failure's reason)
+    lora: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def queue_depth(self) -> float:

@@ -90,26 +90,42 @@ def zero_readings(engines: EngineReadings) -> Readings:
     """What scale to zero reads from one pass (plan/scale_to_zero.py): engines_busy and prompt_tokens are
     None unless every ready pod was read."""
     pods = [r for name, r in engines.readings.items() if name != TOTAL]
+    ready_times = _ready_times(engines.ready)
     complete = engines.error is None and TOTAL not in engines.readings and len(pods) == len(engines.ready)
     busy = any(r.queue_depth > 0 for r in engines.readings.values())
     tokens = [r.prompt_tokens for r in pods if r.prompt_tokens is not None]
     return Readings(engines_busy=busy or (None if not complete else False),
                     prompt_tokens=sum(tokens) if complete and pods and len(tokens) == len(pods) else None,
                     router_queue=engines.router_queue, ready=len(engines.ready),
-                    first_ready_at=_first_ready(engines.ready))
+                    first_ready_at=min(ready_times.values()) if ready_times else None,
+                    pod_start_seconds=_newest_start(engines.ready, ready_times))
 
 
-def _first_ready(pods: list[dict]) -> float | None:
-    times = []
+def _time(text: str | None) -> float | None:
+    try:
+        return datetime.datetime.strptime(text or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def _ready_times(pods: list[dict]) -> dict[str, float]:
+    """Pod name -> when it became Ready (its condition's lastTransitionTime)."""
+    out = {}
     for pod in pods:
         for c in (pod.get("status") or {}).get("conditions") or []:
-            if c.get("type") == "Ready" and c.get("status") == "True" and c.get("lastTransitionTime"):
-                try:
-                    times.append(datetime.datetime.strptime(c["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ")
-                                 .replace(tzinfo=datetime.UTC).timestamp())
-                except ValueError:
-                    continue
-    return min(times) if times else None
+            if c.get("type") == "Ready" and c.get("status") == "True":
+                at = _time(c.get("lastTransitionTime"))
+                if at is not None:
+                    out[pod["metadata"]["name"]] = at
+    return out
+
+
+def _newest_start(pods: list[dict], ready_times: dict[str, float]) -> float | None:
+    """Creation to Ready of the newest ready pod: how long a replica took to start, the last time one did."""
+    starts = [(ready_times[name], ready_times[name] - created) for p in pods
+              if (name := p["metadata"]["name"]) in ready_times
+              and (created := _time(p["metadata"].get("creationTimestamp"))) is not None]
+    return max(starts)[1] if starts else None
 
 
 def limit_by_queue(spec: ServiceSpec, queue: Admission, per_replica: int, wanted: int, replicas: int,

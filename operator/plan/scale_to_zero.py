@@ -8,8 +8,9 @@ status.scaling in; the replica override, the ScaledToZero condition and the new 
   the operator reads the router's queue every WAKE_POLL_SECONDS and asks for 1 replica the moment it is
   not empty, ahead of any stabilization window (the quota and Kueue bounds still apply after this).
 - The wake's measured time (from the reading that saw the held request to the first replica's Ready) is
-  kept beside the predicted one: the last measured wake, else the engines' measured model load time, else
-  the startup budget (the bound, not an estimate).
+  kept beside the predicted one: the last measured wake, else the last measured pod start (creation to
+  Ready, e.g. the service's first replica), else the engines' measured model load time (which leaves out
+  the process start and model conversion), else the startup budget (the bound, not an estimate).
 """
 
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class ZeroState:
     prompt_tokens: float | None = None  # the engines' prompt token total at the last reading
     wake_requested: float | None = None  # when the running wake saw its held request
     last_wake_seconds: float | None = None
+    pod_start_seconds: float | None = None  # the last measured start of a replica: created -> Ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,7 @@ class Readings:
     router_queue: float | None  # requests the router's flow control holds
     ready: int = 0  # ready replicas now
     first_ready_at: float | None = None  # when the earliest ready replica became Ready
+    pod_start_seconds: float | None = None  # the newest ready replica's creation -> Ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +53,13 @@ class ZeroDecision:
     why: str = ""  # what the ScaledUp / ScaledDown event says
 
 
-def predicted_wake(last_wake: float | None, model_load_seconds: float | None, budget: int) -> tuple[float, str]:
+def predicted_wake(last_wake: float | None, pod_start: float | None, model_load_seconds: float | None,
+                   budget: int) -> tuple[float, str]:
     """(seconds, what they are) for status.scaling.wake."""
     if last_wake is not None:
         return round(last_wake, 1), "lastWake"
+    if pod_start is not None:
+        return round(pod_start, 1), "podStart"
     if model_load_seconds:
         return round(float(model_load_seconds), 1), "modelLoadSeconds"
     return float(budget), "startupBudget"
@@ -73,19 +79,20 @@ def decide_zero(idle_seconds: int, current: int, r: Readings, s: ZeroState, acti
             requested = s.wake_requested or now
             return ZeroDecision(1, Condition("ScaledToZero", "False", "Waking",
                                              f"the router holds {r.router_queue:g} request(s): starting 1 replica"),
-                                ZeroState(now, tokens, requested, s.last_wake_seconds),
+                                ZeroState(now, tokens, requested, s.last_wake_seconds, s.pod_start_seconds),
                                 why=f"the router holds {r.router_queue:g} request(s) for a service at 0 replicas")
         unread = "" if r.router_queue is not None else " (the router's queue could not be read this pass)"
         return ZeroDecision(0, Condition("ScaledToZero", "True", "Idle",
                                          f"0 replicas after {idle_seconds}s without a request; the router holds the "
                                          f"next request and wakes the service{unread}"),
-                            ZeroState(last_active, tokens, None, s.last_wake_seconds))
+                            ZeroState(last_active, tokens, None, s.last_wake_seconds, s.pod_start_seconds))
 
     wake_seconds, requested = None, s.wake_requested
     if requested is not None and r.ready >= 1:
         wake_seconds = max(0.0, (r.first_ready_at or now) - requested)
         requested, last_active = None, now  # the idle clock starts when the woken replica serves
-    state = ZeroState(last_active, tokens, requested, wake_seconds if wake_seconds is not None else s.last_wake_seconds)
+    state = ZeroState(last_active, tokens, requested, wake_seconds if wake_seconds is not None else s.last_wake_seconds,
+                      r.pod_start_seconds if r.pod_start_seconds is not None else s.pod_start_seconds)
     quiet_for = now - last_active
     if (requested is None and active_decision and r.engines_busy is False and r.router_queue == 0
             and not activity and quiet_for >= idle_seconds):

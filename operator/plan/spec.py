@@ -57,7 +57,11 @@ DEFAULTS = {
     "apiKeySecretRef.key": "api-key",
     "model.tokenSecretRef.key": "HF_TOKEN",
     "routing.enabled": False,
+    "model.lora.maxRank": 16,
+    "model.lora.maxAdapters": 4,
 }
+LORA_NAME = re.compile(r"^[^,\s]{1,256}$")  # the CRD's pattern: vllm:lora_requests_info lists names comma-joined
+LORA_SCHEMES = ("pvc", "hf", "file")
 
 
 class SpecError(ValueError):
@@ -85,6 +89,25 @@ class RoutingSpec:
 
     gateway_name: str | None = None
     gateway_namespace: str | None = None  # None: the service's namespace
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    name: str
+    uri: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASpec:
+    """spec.model.lora (KServe's names): the adapters, and the engine's slots for them."""
+
+    adapters: tuple[LoRAAdapter, ...]
+    max_rank: int  # --max-lora-rank
+    max_adapters: int  # --max-loras
+
+    @property
+    def hub(self) -> bool:
+        return any(a.uri.startswith("hf://") for a in self.adapters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +143,7 @@ class ServiceSpec:
     api_key_secret: tuple[str, str] | None = None  # (name, key)
     token_secret: tuple[str, str] | None = None  # (name, key): HF_TOKEN for gated hf:// models
     cache: CacheSpec | None = None
+    lora: LoRASpec | None = None
     routing: RoutingSpec | None = None  # None: no router (spec.routing.enabled false or absent)
     # Kueue's labels on the InferenceService (plan/kueue.py): copied onto the workload it makes.
     queue_name: str | None = None
@@ -209,8 +233,10 @@ def _parse(body: dict) -> ServiceSpec:
                         _str(get("model.tokenSecretRef.key"), "spec.model.tokenSecretRef.key"))
     if _get(spec, "model.cache") is not None:
         cache = _parse_cache(get)
-    if (token_secret or cache) and scheme != "hf":
-        raise SpecError("spec.model.tokenSecretRef and spec.model.cache apply to hf:// models only")
+    served = get("model.name") or meta.get("name")
+    lora = _parse_lora(get, served) if _get(spec, "model.lora") is not None else None
+    if (token_secret or cache) and scheme != "hf" and not (lora is not None and lora.hub):
+        raise SpecError("spec.model.tokenSecretRef and spec.model.cache apply to hf:// models (or hf:// LoRA adapters) only")
     profile = get("model.profile")
     if profile is not None and not isinstance(profile, dict):
         raise SpecError("spec.model.profile must be an object")
@@ -236,6 +262,8 @@ def _parse(body: dict) -> ServiceSpec:
         max_model_len=_auto_or_int(get("engine.maxModelLen"), "spec.engine.maxModelLen"),
         max_num_seqs=_auto_or_int(get("engine.maxNumSeqs"), "spec.engine.maxNumSeqs"),
         gpu_memory_utilization=float(util),
+        max_loras=lora.max_adapters if lora is not None else 0,
+        max_lora_rank=lora.max_rank if lora is not None else 0,
     )
     startup = get("engine.startupTimeoutSeconds")
 
@@ -292,10 +320,47 @@ def _parse(body: dict) -> ServiceSpec:
         api_key_secret=secret,
         token_secret=token_secret,
         cache=cache,
+        lora=lora,
         routing=routing,
         queue_name=own_labels.get(QUEUE_LABEL) or None,
         priority_class=own_labels.get(PRIORITY_LABEL) or None,
     )
+
+
+def _parse_lora(get, served_name: str | None) -> LoRASpec:
+    raw = get("model.lora.adapters") or []
+    if not isinstance(raw, list):
+        raise SpecError("spec.model.lora.adapters must be a list of {name, uri}")
+    adapters, seen = [], set()
+    for i, a in enumerate(raw):
+        where = f"spec.model.lora.adapters[{i}]"
+        if not isinstance(a, dict):
+            raise SpecError(f"{where} must be an object with name and uri")
+        name, uri = _str(a.get("name"), f"{where}.name"), _str(a.get("uri"), f"{where}.uri")
+        if not LORA_NAME.match(name):
+            raise SpecError(f"{where}.name {name!r} must be 1 to 256 characters without commas or spaces")
+        if name in seen:
+            raise SpecError(f"{where}.name {name!r} is used by an earlier adapter")
+        if name == served_name:
+            raise SpecError(f"{where}.name {name!r} is the served model's name")
+        seen.add(name)
+        scheme, _, rest = uri.partition("://")
+        if scheme not in LORA_SCHEMES or not rest:
+            raise SpecError(f"{where}.uri {uri!r} must start with pvc://, hf:// or file://")
+        if scheme == "hf" and not HF_URI.match(uri):
+            raise SpecError(f"{where}.uri {uri!r} must be hf://ORG/NAME or hf://ORG/NAME@REVISION")
+        if scheme == "pvc" and "/" not in rest.strip("/"):
+            raise SpecError(f"{where}.uri {uri!r} must be pvc://CLAIM/PATH")
+        if scheme == "file" and not rest.startswith("/"):
+            raise SpecError(f"{where}.uri {uri!r} must be file:///ABSOLUTE/PATH")
+        adapters.append(LoRAAdapter(name, uri))
+    max_rank = _int(get("model.lora.maxRank"), "spec.model.lora.maxRank", 1)
+    if max_rank > 512:
+        raise SpecError(f"spec.model.lora.maxRank must be 1 to 512, got {max_rank}")
+    max_adapters = _int(get("model.lora.maxAdapters"), "spec.model.lora.maxAdapters", 1)
+    if max_adapters > 64:
+        raise SpecError(f"spec.model.lora.maxAdapters must be 1 to 64, got {max_adapters}")
+    return LoRASpec(tuple(adapters), max_rank, max_adapters)
 
 
 def _parse_cache(get) -> CacheSpec:
