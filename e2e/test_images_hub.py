@@ -41,10 +41,11 @@ def images() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def hub() -> Iterator[HubStandin]:
-    from tokenmill.engine.model.resolve import resolve_model
+    from tokenmill.engine.model.bundled import bundled_gguf_path
+    from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
 
     with HubStandin() as hub:
-        hub.smollm2_sha = hub.add_repo(SMOLLM2, resolve_model(None))
+        hub.smollm2_sha = hub.add_repo(SMOLLM2, dequantized_copy_cached(bundled_gguf_path()))
         yield hub
 
 

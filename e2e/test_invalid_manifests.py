@@ -59,6 +59,13 @@ CASES = {
         "(9 attention heads, 3 KV heads, MLP width 1536; each tensor parallel rank needs whole heads)"),
     "GPU count beyond one node": (
         with_spec(resources__gpu__count=16), "spec.resources.gpu.count in body should be less than or equal to 8"),
+    "scale to zero without routing": (
+        with_spec(replicas=None, scaling={"minReplicas": 0, "maxReplicas": 2}),
+        "spec.scaling.minReplicas: Invalid value: scaling.minReplicas 0 (scale to zero) needs "
+        "spec.routing.enabled: true"),
+    "scale to zero with routing off": (
+        with_spec(replicas=None, scaling={"minReplicas": 0, "maxReplicas": 2}, routing={"enabled": False}),
+        "scaling.minReplicas 0 (scale to zero) needs spec.routing.enabled: true"),
     "GPU count of zero": (
         with_spec(resources__gpu__count=0), "spec.resources.gpu.count in body should be greater than or equal to 1"),
 }

@@ -53,9 +53,10 @@ WEIGHTS = "model.safetensors"
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory) -> Iterator[HubStandin]:
     # The engine (torch) is imported only when this module runs.
-    from tokenmill.engine.model.resolve import resolve_model
+    from tokenmill.engine.model.bundled import bundled_gguf_path
+    from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
 
-    folder = resolve_model(None)
+    folder = dequantized_copy_cached(bundled_gguf_path())
     bf16 = cast_checkpoint(folder, tmp_path_factory.mktemp("smollm2-bf16"), "bfloat16")
     with HubStandin() as hub:
         hub.smollm2_sha = hub.add_repo(SMOLLM2, folder)

@@ -334,3 +334,26 @@ def install_crds(cluster: Cluster, epp_dir: Path) -> list[str]:
     cluster.kubectl("wait", "--for=condition=Established", *[f"crd/{n}" for n in names], "--timeout=60s")
     return names
 
+
+
+# The Gateway API's CRDs (HTTPRoute, Gateway, ...) for the routing test's gateway mode: no implementation runs
+# here, the API server only validates the route the operator writes (its CEL rules included).
+GATEWAY_API_VERSION = "v1.6.0"
+GATEWAY_API_CRDS = ("gatewayclasses", "gateways", "httproutes", "referencegrants")
+
+
+def install_gateway_api_crds(cluster: Cluster) -> list[str]:
+    """Apply the Gateway API's standard CRDs from its module on the Go module proxy; returns their names."""
+    proc = subprocess.run(["go", "mod", "download", "-json", f"sigs.k8s.io/gateway-api@{GATEWAY_API_VERSION}"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "GOWORK": "off",
+                                                                            "GOFLAGS": "-mod=mod"})
+    if proc.returncode != 0:
+        raise ClusterError(f"go mod download sigs.k8s.io/gateway-api@{GATEWAY_API_VERSION} failed:\n{proc.stderr}")
+    folder = Path(json.loads(proc.stdout)["Dir"]) / "config" / "crd" / "standard"
+    names = []
+    for plural in GATEWAY_API_CRDS:
+        path = folder / f"gateway.networking.k8s.io_{plural}.yaml"
+        cluster.kubectl("apply", "--server-side", "-f", str(path))
+        names.append(f"{plural}.gateway.networking.k8s.io")
+    cluster.kubectl("wait", "--for=condition=Established", *[f"crd/{n}" for n in names], "--timeout=60s")
+    return names

@@ -6,7 +6,7 @@ the operator image, which has no torch.
 
 from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from tokenmill.engine.sampling_params import StructuredOutputsParams
 
         return StructuredOutputsParams
+    if name == "LoRARequest":
+        from tokenmill.engine.lora_request import LoRARequest
+
+        return LoRARequest
     if name == "RequestOutput":
         from tokenmill.engine.outputs import RequestOutput
 

@@ -8,6 +8,21 @@ import math
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+# --kv-cache-dtype (vLLM's flag and names; `auto` is the model's dtype, `fp8` is fp8_e4m3 as in vLLM).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# The 8-bit caches: one byte per code, and beside each (token, KV head) row of head_dim codes its fp32
+# scale (kernels/kv_quant.py has the layout and why a scale per token and head).
+KV_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+KV_SCALE_BYTES = 4
+# fp8 caches on CUDA: Triton's fp8 conversions need compute capability 8.9 (Ada, Hopper) and up; int8 runs on
+# any GPU. The engine refuses (worker/device.py) and the operator's sizing refuses (plan/sizing.py) the same.
+FP8_MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def kv_cache_dtype_fits_gpu(kv_cache_dtype: str, compute_capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability runs a cache of this (resolved) dtype."""
+    return not kv_cache_dtype.startswith("fp8") or compute_capability >= FP8_MIN_CUDA_CAPABILITY
+
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name ("float32", "bfloat16", "float16")."""
@@ -15,6 +30,30 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPE_BYTES)}") from None
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The KV cache's dtype for a model served in `dtype`: `auto` is `dtype`, `fp8` is `fp8_e4m3`; a 16/32-bit
+    name must be `dtype` itself (the kernels read the cache in the model's dtype or as 8-bit codes)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype == "fp8":
+        return "fp8_e4m3"
+    if kv_cache_dtype not in KV_QUANT_DTYPES and kv_cache_dtype != dtype:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype} with a model served in {dtype}: a 16/32-bit KV cache is the model's "
+            f"dtype; use auto, or an 8-bit cache ({', '.join(KV_QUANT_DTYPES)}, fp8)"
+        )
+    return kv_cache_dtype
+
+
+def kv_row_bytes(head_dim: int, kv_cache_dtype: str) -> int:
+    """Bytes of one (token, KV head) row of K or V in a cache of that (resolved) dtype, scale included."""
+    if kv_cache_dtype in KV_QUANT_DTYPES:
+        return head_dim + KV_SCALE_BYTES
+    return head_dim * dtype_bytes(kv_cache_dtype)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel: int) -> int:
@@ -32,17 +71,18 @@ def kv_bytes_per_token(
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
-    dtype: str,
+    kv_cache_dtype: str,
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
 ) -> int:
-    """K and V for one token on one GPU (rank) of a TP x PP replica: its stage's layers, its KV heads.
+    """K and V for one token on one GPU (rank) of a TP x PP replica: its stage's layers, its KV heads, in a
+    cache of `kv_cache_dtype` (resolved: resolve_kv_cache_dtype; the model's dtype when the cache is auto).
 
     The engine sizes every rank's pool with this, and the operator's per-GPU sizing reads the same
     function, so both report the same capacity for the same config.
     """
     layers = layers_per_stage(num_layers, pipeline_parallel)
-    return 2 * layers * kv_heads_per_rank(num_kv_heads, tensor_parallel) * head_dim * dtype_bytes(dtype)
+    return 2 * layers * kv_heads_per_rank(num_kv_heads, tensor_parallel) * kv_row_bytes(head_dim, kv_cache_dtype)
 
 
 def kv_bytes_per_block(kv_bytes_token: int, block_size: int) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 from tokenmill.engine.config import DEFAULTS, EngineConfig
 from tokenmill.engine.frontend.generation_config import default_sampling_params
 from tokenmill.engine.frontend.llm_engine import LLMEngine
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.model.source import parse_model_source
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ class LLM:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         device: str = "auto",
         seed: int = 0,
@@ -31,6 +33,11 @@ class LLM:
         override_generation_config: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        enable_lora: bool = False,
+        max_loras: int = DEFAULTS.max_loras,
+        max_lora_rank: int = DEFAULTS.max_lora_rank,
+        max_cpu_loras: int | None = None,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -43,10 +50,16 @@ class LLM:
                 max_model_len=max_model_len,
                 num_kv_blocks=num_kv_blocks,
                 kv_cache_memory=kv_cache_memory,
+                kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 seed=seed,
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
+                enable_lora=enable_lora,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
+                kv_events_config=kv_events_config,
             )
         )
 
@@ -76,8 +89,10 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in the order given."""
+        """One RequestOutput per prompt, in the order given. lora_request: one adapter for every prompt, or
+        one per prompt (None: the base model), as in vLLM."""
         if prompts is None and prompt_token_ids is None:
             raise ValueError("give prompts or prompt_token_ids")
         if prompts is not None and prompt_token_ids is not None:
@@ -90,7 +105,7 @@ class LLM:
         else:
             ids = [list(p) for p in prompt_token_ids]
             texts = [None] * len(ids)
-        return self._run(texts, ids, sampling_params, use_tqdm, priority)
+        return self._run(texts, ids, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -109,6 +124,10 @@ class LLM:
     def reset_stats(self) -> None:
         self.engine.core.reset_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's LLM.reset_prefix_cache); False while requests hold blocks."""
+        return self.engine.core.reset_prefix_cache()
+
     def _run(
         self,
         texts: list[str | None],
@@ -116,6 +135,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -129,11 +149,14 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(ids)
         if len(prios) != len(ids):
             raise ValueError(f"got {len(prios)} priorities for {len(ids)} prompts")
+        loras = [lora_request] * len(ids) if lora_request is None or isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != len(ids):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(ids)} prompts")
         engine = self.engine
         order: dict[str, int] = {}
         try:
-            for i, (text, tok, p, prio) in enumerate(zip(texts, ids, params, prios, strict=True)):
-                order[engine.add_request(text, tok, p, priority=prio)] = i
+            for i, (text, tok, p, prio, lora) in enumerate(zip(texts, ids, params, prios, loras, strict=True)):
+                order[engine.add_request(text, tok, p, priority=prio, lora_request=lora)] = i
             results: list[RequestOutput | None] = [None] * len(ids)
             bar = tqdm(
                 total=len(ids), desc="generate", unit="req", disable=not use_tqdm or not sys.stderr.isatty()

@@ -9,6 +9,13 @@ NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# LoRA (with --enable-lora), vLLM's exactly: value = the time of the last update, labels max_lora and the
+# comma-joined names of the adapters with running / waiting requests; the endpoint picker's LoRA affinity
+# reads the series with the latest value.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+# tokenmill's: one series per adapter the server was asked to serve, value 1, labels lora_name, status
+# (loaded | failed) and reason (why it failed); the operator reads it into status.lora.
+LORA_ADAPTER_INFO = "tokenmill:lora_adapter_info"
 
 # Counters (exposed with a _total suffix)
 PROMPT_TOKENS = "vllm:prompt_tokens"

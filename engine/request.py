@@ -5,6 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -26,6 +27,7 @@ class Request:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None  # mixed into the first block's hash (see kv_cache_manager.py)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model); hashed as the salt is
     eos_token_ids: tuple[int, ...] = ()
     # The one number that covers chunked prefill, prefix-cache hits and recompute preemption.
     num_computed_tokens: int = 0

@@ -30,8 +30,9 @@ _SOURCES = [
     _CSRC / "cpu_gemm_bf16.cpp",
     _CSRC / "cpu_topk.cpp",
     _CSRC / "cpu_decoder.cpp",
+    _CSRC / "cpu_grouped.cpp",
 ]
-_HEADERS = [_CSRC / "cpu_common.h", _CSRC / "cpu_codes_bf16.h", _CSRC / "cpu_ops.h"]
+_HEADERS = [_CSRC / "cpu_common.h", _CSRC / "cpu_codes_bf16.h", _CSRC / "cpu_ops.h", _CSRC / "cpu_kv_quant.h"]
 # fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity). -fopenmp:
 # at::parallel_for is a serial loop unless the code is built with OpenMP (its header tests _OPENMP), so
 # without it every kernel ran on one thread whatever torch.set_num_threads said. The link resolves

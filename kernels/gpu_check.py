@@ -7,10 +7,12 @@ What it does (figures go to docs/kernels.md):
 1. Correctness: store_kv (exact) and decode/prefill (max abs error vs the reference, per-dtype
    tolerance) over fp32/fp16/bf16, head_dim 64/128, block size 16/32, GQA, ragged lengths, shuffled
    block tables, prefill chunks starting mid-block; then the issue's realistic shape (64 sequences x
-   2048 tokens, 32 heads, 8 KV heads, head_dim 128, bf16).
+   2048 tokens, 32 heads, 8 KV heads, head_dim 128, bf16). The 8-bit caches (fp8_e4m3 and int8 codes with a
+   scale per token and head, kernels/kv_quant.py) the same way under bf16 queries: store_kv bytes exact.
 2. Decode replayed as a CUDA graph equals eager decode.
 3. Timing: decode kernel time, achieved GB/s of K/V read vs the device's copy bandwidth, and
-   torch SDPA over the same K/V gathered into contiguous (unpaged) tensors.
+   torch SDPA over the same K/V gathered into contiguous (unpaged) tensors; the 8-bit caches' decode time
+   and GB/s at the realistic shape beside bf16's.
 4. Tensor parallel (engine/bench/gpu_check_tp.py, in its own process): NCCL all-reduce bandwidth, a decode-sized all-reduce eager and
    in a CUDA graph, TP=2 greedy parity eager and with per-rank CUDA graphs; skipped with fewer than
    2 GPUs (never run yet: no multi-GPU machine has been lent).
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from tokenmill.kernels import paged_attention_decode, paged_attention_prefill, store_kv
+from tokenmill.kernels import kv_quant, paged_attention_decode, paged_attention_prefill, store_kv
 
 # Triton vs the torch reference passes when |out - ref| <= atol + rtol * |ref| everywhere. Both
 # accumulate in fp32; half precisions differ by probability/output rounding (about 2 output ulps).
@@ -60,16 +62,23 @@ def _tables(seq_lens: list[int], block_size: int, device: torch.device, gen: tor
     return table.to(device), num_blocks
 
 
-def _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen):
+def _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen, kv=None):
+    """Random K/V caches of `dtype`, or with kv (an 8-bit dtype) those values quantized into kv's rows."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     v = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    if kv is not None:
+        k, v = kv_quant.quantize_rows(k, kv), kv_quant.quantize_rows(v, kv)
     return k, v
 
 
-def check_store_kv(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, gen) -> None:
+def _kv_name(dtype, kv) -> str:
+    return str(dtype) if kv is None else f"{dtype} q, {kv} cache"
+
+
+def check_store_kv(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, gen, kv=None) -> None:
     num_blocks = math.ceil(num_tokens / block_size) + 4
-    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen, kv)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
@@ -78,34 +87,36 @@ def check_store_kv(device, dtype, num_tokens, num_kv_heads, head_dim, block_size
     slots = slots.to(device)
     store_kv(key, value, k_cache, v_cache, slots, impl="triton")
     store_kv(key, value, k_ref, v_ref, slots, impl="torch")
-    name = f"store_kv {dtype} tokens={num_tokens} kv_heads={num_kv_heads} d={head_dim} (exact)"
+    name = f"store_kv {_kv_name(dtype, kv)} tokens={num_tokens} kv_heads={num_kv_heads} d={head_dim} (exact)"
+    if kv is not None:  # the bytes: codes and scales
+        k_cache, v_cache, k_ref, v_ref = (t.view(torch.uint8) for t in (k_cache, v_cache, k_ref, v_ref))
     _report(name, torch.cat([k_cache, v_cache]), torch.cat([k_ref, v_ref]), (0.0, 0.0))
 
 
-def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen) -> None:
+def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen, kv=None) -> None:
     table, num_blocks = _tables(seq_lens, block_size, device, gen)
-    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen, kv)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = paged_attention_decode(q, k_cache, v_cache, table, lens, scale, impl="triton")
     ref = paged_attention_decode(q, k_cache, v_cache, table, lens, scale, impl="torch")
-    name = f"decode {dtype} seqs={len(seq_lens)} max_len={max(seq_lens)} H={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}"
+    name = f"decode {_kv_name(dtype, kv)} seqs={len(seq_lens)} max_len={max(seq_lens)} H={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}"
     _report(name, out, ref, TOL[dtype])
 
 
 def check_prefill(
-    device, dtype, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, gen
+    device, dtype, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, gen, kv=None
 ) -> None:
     table, num_blocks = _tables(seq_lens, block_size, device, gen)
-    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen, kv)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, scale, impl="triton")
     ref = paged_attention_prefill(q, k_cache, v_cache, table, qsl, lens, scale, impl="torch")
-    name = f"prefill {dtype} chunks={query_lens} of {seq_lens} H={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}"
+    name = f"prefill {_kv_name(dtype, kv)} chunks={query_lens} of {seq_lens} H={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}"
     _report(name, out, ref, TOL[dtype])
 
 
@@ -131,11 +142,11 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
 
 
 def bench_decode(
-    device, dtype, num_seqs, seq_len, num_heads, num_kv_heads, head_dim, block_size, copy_gbs, gen
+    device, dtype, num_seqs, seq_len, num_heads, num_kv_heads, head_dim, block_size, copy_gbs, gen, kv=None
 ):
     seq_lens = [seq_len] * num_seqs
     table, num_blocks = _tables(seq_lens, block_size, device, gen)
-    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen, kv)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
@@ -158,6 +169,8 @@ def bench_decode(
     _report(f"decode CUDA graph replay == eager ({num_seqs}x{seq_len})", graph_out, eager, (0.0, 0.0))
 
     nb = math.ceil(seq_len / block_size)
+    if kv is not None:  # SDPA reads the dequantized values
+        k_cache, v_cache = kv_quant.dequantize_rows(k_cache, dtype), kv_quant.dequantize_rows(v_cache, dtype)
     k_dense = k_cache[table[:, :nb].long()].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)[
         :, :seq_len
     ]
@@ -177,10 +190,11 @@ def bench_decode(
     t_eager = _time_cuda(decode, iters)
     t_graph = _time_cuda(graph.replay, iters)
     t_sdpa = _time_cuda(sdpa, iters)
-    kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * head_dim * k_cache.element_size()
+    row_bytes = head_dim * k_cache.element_size() + (kv_quant.KV_SCALE_BYTES if kv is not None else 0)
+    kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * row_bytes
     gbs = kv_bytes / (t_graph * 1e-3) / 1e9
     print(
-        f"  decode {dtype} {num_seqs} seqs x {seq_len} tokens, H={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}: "
+        f"  decode {_kv_name(dtype, kv)} {num_seqs} seqs x {seq_len} tokens, H={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}: "
         f"eager {t_eager * 1e3:.1f} us, graph {t_graph * 1e3:.1f} us, KV read {kv_bytes / 1e6:.0f} MB -> {gbs:.0f} GB/s "
         f"= {gbs / copy_gbs:.2f} x copy bandwidth; SDPA on unpaged K/V {t_sdpa * 1e3:.1f} us "
         f"(paged/SDPA time ratio {t_graph / t_sdpa:.2f})"
@@ -213,6 +227,13 @@ def correctness(device: torch.device, small: bool, gen: torch.Generator) -> None
                     bs,
                 ]  # fresh, mid-block chunk, short chunk, decode row
                 check_prefill(device, dtype, seq_lens, query_lens, 6, 2, head_dim, block_size, gen)  # GQA 3
+    for kv in (torch.float8_e4m3fn, torch.int8):  # --kv-cache-dtype fp8 / int8 under a bf16 model
+        check_store_kv(device, torch.bfloat16, 50 if small else 4096, 8, 128, 16, gen, kv)
+        for head_dim in (64, 128):
+            ragged = [1, 15, 16, 17, long, *torch.randint(1, long, (3 if small else 40,), generator=gen).tolist()]
+            check_decode(device, torch.bfloat16, ragged, 8, 2, head_dim, 16, gen, kv)
+            check_prefill(device, torch.bfloat16, [21, long, 35, 1, 16], [21, long - 11, 7, 1, 16], 6, 2, head_dim, 16,
+                          gen, kv)  # fmt: skip
     if not small:
         print("correctness at the realistic shape (64 x 2048, 32 heads, 8 KV heads, d=128, bf16)")
         check_decode(device, torch.bfloat16, [2048] * 64, 32, 8, 128, 16, gen)
@@ -254,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         copy_gbs = copy_bandwidth_gbs(device)
         print(f"timing (device copy bandwidth, read+write: {copy_gbs:.0f} GB/s)")
         bench_decode(device, torch.bfloat16, 64, 2048, 32, 8, 128, 16, copy_gbs, gen)
+        for kv in (torch.float8_e4m3fn, torch.int8):  # the 8-bit caches: half the bytes
+            bench_decode(device, torch.bfloat16, 64, 2048, 32, 8, 128, 16, copy_gbs, gen, kv)
         bench_decode(device, torch.bfloat16, 64, 2048, 32, 8, 128, 32, copy_gbs, gen)
         bench_decode(device, torch.bfloat16, 256, 1024, 32, 8, 128, 16, copy_gbs, gen)
         bench_decode(device, torch.bfloat16, 4, 8192, 32, 8, 128, 16, copy_gbs, gen)

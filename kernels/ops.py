@@ -10,7 +10,7 @@ back to the torch reference when it cannot be built or TOKENMILL_CPU_KERNELS=0.
 import os
 
 import torch
-from tokenmill.kernels import cpu, reference
+from tokenmill.kernels import cpu, kv_quant, reference
 from tokenmill.kernels.validate import check_decode_args, check_prefill_args, check_store_kv_args
 
 IMPLS = ("auto", "triton", "cpu", "torch")
@@ -83,7 +83,7 @@ def store_kv(
         and hasattr(ops, "store_kv")
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
-        and key.dtype == k_cache.dtype
+        and (key.dtype == k_cache.dtype or kv_quant.is_quantized(k_cache))
         and key.stride(-1) == 1
         and value.stride(-1) == 1
     ):

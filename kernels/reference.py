@@ -10,11 +10,13 @@ K/V fit a few MiB, so one Python iteration covers many short sequences (no per-s
 padding stays small, the gathered blocks stay in cache, and large short-lived allocations (which
 cost page faults on every step) are avoided. Each chunk is one call to torch's fused SDPA, which
 accumulates scores and softmax in fp32 for half-precision inputs and handles GQA without copying K/V.
-Outputs come back in q's dtype.
+Outputs come back in q's dtype. An 8-bit cache (kernels/kv_quant.py) is gathered as stored and dequantized
+to q's dtype before SDPA; its writes go through kv_quant.quantize_rows.
 """
 
 import torch
 import torch.nn.functional as F
+from tokenmill.kernels import kv_quant
 
 _CHUNK_KV_BYTES = 4 << 20  # gathered K+V per chunk; 1-8 MiB measured best here (0.5 and 16 MiB were slower)
 _CHUNK_MASK_ELEMS = 1 << 24  # query rows x keys per chunk: bounds mask/score memory for long prompts
@@ -30,9 +32,13 @@ def store_kv_torch(
     """Write key/value rows [num_tokens, num_kv_heads, head_dim] into their slots; slot -1 is skipped."""
     if key.shape[0] == 0:
         return
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    _, _, num_kv_heads, width = k_cache.shape
+    k_flat = k_cache.view(-1, num_kv_heads, width)
+    v_flat = v_cache.view(-1, num_kv_heads, width)
+    if kv_quant.is_quantized(k_cache):  # whole rows (codes and scale), copied as bytes (no fp8 index_copy_)
+        key = kv_quant.quantize_rows(key, k_cache.dtype).view(torch.uint8)
+        value = kv_quant.quantize_rows(value, v_cache.dtype).view(torch.uint8)
+        k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
     valid = slot_mapping >= 0
     if slot_mapping.device.type == "cpu" and bool(valid.all()):
         # The common case (no padding tokens) skips the boolean compaction.
@@ -42,6 +48,12 @@ def store_kv_torch(
     slots = slot_mapping[valid]
     k_flat.index_copy_(0, slots, key[valid])
     v_flat.index_copy_(0, slots, value[valid])
+
+
+def _kv_bytes_per_token(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Gathered K+V bytes per token as SDPA reads them (an 8-bit cache's dequantized copy is q's dtype)."""
+    size = q.element_size() if kv_quant.is_quantized(k_cache) else k_cache.element_size()
+    return 2 * k_cache.shape[2] * q.shape[-1] * size
 
 
 def _plan_chunks(
@@ -76,9 +88,10 @@ def _plan_chunks(
     return chunks
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """The blocks block_ids ([num_seqs * nb], flattened) as [num_seqs, nb * block_size, kv_heads, head_dim]."""
-    num_blocks, _, num_kv_heads, head_dim = cache.shape
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks block_ids ([num_seqs * nb], flattened) as [num_seqs, nb * block_size, kv_heads, head_dim]
+    of `dtype` (the query's: an 8-bit cache is dequantized after the gather, so only its bytes are copied)."""
+    num_blocks, _, num_kv_heads, width = cache.shape
     flat = cache.view(num_blocks, -1)
     if cache.device.type == "cpu" and flat.shape[1] * cache.element_size() % 8 == 0:
         # Copy 8-byte words: index_select on bf16/fp16/fp32 rows is several times slower on CPU than on
@@ -86,7 +99,8 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> t
         rows = flat.view(torch.int64).index_select(0, block_ids).view(cache.dtype)
     else:
         rows = flat.index_select(0, block_ids)
-    return rows.view(num_seqs, -1, num_kv_heads, head_dim)
+    rows = rows.view(num_seqs, -1, num_kv_heads, width)
+    return kv_quant.dequantize_rows(rows, dtype) if kv_quant.is_quantized(cache) else rows
 
 
 def _attend_chunk(
@@ -101,8 +115,8 @@ def _attend_chunk(
 
     q_pos None: row i is at position i (whole prompts, no cached prefix), SDPA's own causal mask."""
     num_seqs = q_pad.shape[0]
-    k = _gather_kv(k_cache, block_ids, num_seqs)  # [s, L, KVH, D]
-    v = _gather_kv(v_cache, block_ids, num_seqs)
+    k = _gather_kv(k_cache, block_ids, num_seqs, q_pad.dtype)  # [s, L, KVH, D]
+    v = _gather_kv(v_cache, block_ids, num_seqs, q_pad.dtype)
     mask = None
     if q_pos is not None:
         key_pos = torch.arange(k.shape[1], device=q_pad.device)
@@ -132,9 +146,9 @@ def paged_attention_decode_torch(
     A sequence with seq_len 0 (e.g. batch padding) gets a zero output.
     """
     num_seqs = q.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_size = k_cache.shape[1]
     lens = seq_lens.tolist()
-    kv_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+    kv_bytes = _kv_bytes_per_token(q, k_cache)
     chunks = _plan_chunks(lens, [1] * num_seqs, block_size, kv_bytes)
     q_pos = (seq_lens.long() - 1)[:, None]
     if len(chunks) == 1 and len(chunks[0][0]) == num_seqs:
@@ -167,12 +181,12 @@ def paged_attention_prefill_torch(
     Chunks of different lengths share one SDPA call by padding query rows: a padded row repeats the
     chunk's last real row and is dropped afterwards.
     """
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_size = k_cache.shape[1]
     out = q.new_empty(q.shape)  # contiguous even when q is a strided slice of a fused qkv
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
-    kv_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+    kv_bytes = _kv_bytes_per_token(q, k_cache)
     for seqs, nb, rows in _plan_chunks(lens, query_lens, block_size, kv_bytes):
         idx = torch.tensor(seqs, device=q.device)
         block_ids = block_tables[idx, :nb].clamp_min(0).flatten()

@@ -6,6 +6,8 @@ Tokens are gathered one row at a time through the block table, so the tile lengt
 independent of the cache's block size. With more than one split, each split writes an
 unnormalised partial (acc, max, sum) and a second kernel merges them (flash-decoding). The split
 count depends only on the batch shape, never on seq_lens values, so the launch is CUDA-graph safe.
+An 8-bit cache (kernels/kv_quant.py) is read as codes converted to the query's dtype; each key's scale
+multiplies its score column, each value's its probability column, so the dots see exact operands.
 """
 
 import torch
@@ -15,6 +17,9 @@ from tokenmill.kernels.triton_common import (
     NEG_INF,
     check_head_dim,
     interp_bf16,
+    kv_cache_args,
+    kv_column_scales,
+    kv_operand,
     last_dim_contiguous,
     mma,
     num_sms,
@@ -31,6 +36,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -49,6 +56,8 @@ def _decode_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -75,22 +84,25 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    stride_s = NUM_KV_HEADS * HEAD_DIM
+    stride_s = NUM_KV_HEADS * ROW
     stride_b = BLOCK_SIZE * stride_s
     for start in range(t_begin, t_end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < t_end
         block = tl.load(block_tables_ptr + seq * stride_bt_s + t // BLOCK_SIZE, mask=t_mask, other=0)
-        off = block.to(tl.int64) * stride_b + (t % BLOCK_SIZE) * stride_s + kvh * HEAD_DIM
+        off = block.to(tl.int64) * stride_b + (t % BLOCK_SIZE) * stride_s + kvh * ROW
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        s = mma(q, tl.trans(k), PRECISION, INTERP_BF16) * scale
+        s = mma(q, tl.trans(kv_operand(k, q, KV_QUANT, INTERP_BF16)), PRECISION, INTERP_BF16)
+        s = kv_column_scales(s, k_scale_ptr, off, t_mask, KV_QUANT) * scale
         s = tl.where(t_mask[None, :], s, NEG_INF)
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has at least one valid token
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + mma(rne(p, INTERP_BF16).to(v.dtype), v, PRECISION, INTERP_BF16)
+        v = kv_operand(v, q, KV_QUANT, INTERP_BF16)
+        pv = kv_column_scales(p, v_scale_ptr, off, t_mask, KV_QUANT)
+        acc = acc * alpha[:, None] + mma(rne(pv, INTERP_BF16).to(v.dtype), v, PRECISION, INTERP_BF16)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -172,10 +184,14 @@ def paged_attention_decode_triton(
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
+    k_scales, row, quant = kv_cache_args(k_cache)
+    v_scales = kv_cache_args(v_cache)[0]
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         block_tables,
         seq_lens,
         out,
@@ -194,6 +210,8 @@ def paged_attention_decode_triton(
         GROUP=group,
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        ROW=row,
+        KV_QUANT=quant,
         BLOCK_SIZE=block_size,
         BLOCK_N=_BLOCK_N,
         NUM_SPLITS=num_splits,

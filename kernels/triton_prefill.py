@@ -5,7 +5,8 @@ query_start_loc[s] // BLOCK_Q + s; the total (num_tokens // BLOCK_Q + num_seqs) 
 shapes alone, so no device value is read on the host. Each program finds its sequence by binary
 search over query_start_loc (vLLM's unified attention does the same) and exits if the tile is past
 its chunk. Query row r of a chunk of length n sits at absolute position seq_len - n + r and sees
-keys 0..that position; keys past the tile's last row are never loaded.
+keys 0..that position; keys past the tile's last row are never loaded. 8-bit caches as in
+triton_decode.py: codes as dot operands, scales on the score and probability columns.
 """
 
 import torch
@@ -15,6 +16,9 @@ from tokenmill.kernels.triton_common import (
     NEG_INF,
     check_head_dim,
     interp_bf16,
+    kv_cache_args,
+    kv_column_scales,
+    kv_operand,
     last_dim_contiguous,
     mma,
     rne,
@@ -43,6 +47,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -58,6 +64,8 @@ def _prefill_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,16 +94,17 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
-    stride_s = NUM_KV_HEADS * HEAD_DIM
+    stride_s = NUM_KV_HEADS * ROW
     stride_b = BLOCK_SIZE * stride_s
     kv_end = tl.minimum(seq_len, prefix + row0 + BLOCK_Q)
     for start in range(0, kv_end, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < kv_end
         block = tl.load(block_tables_ptr + seq * stride_bt_s + t // BLOCK_SIZE, mask=t_mask, other=0)
-        off = block.to(tl.int64) * stride_b + (t % BLOCK_SIZE) * stride_s + kvh * HEAD_DIM
+        off = block.to(tl.int64) * stride_b + (t % BLOCK_SIZE) * stride_s + kvh * ROW
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        s = mma(q, tl.trans(k), PRECISION, INTERP_BF16) * scale
+        s = mma(q, tl.trans(kv_operand(k, q, KV_QUANT, INTERP_BF16)), PRECISION, INTERP_BF16)
+        s = kv_column_scales(s, k_scale_ptr, off, t_mask, KV_QUANT) * scale
         visible = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
         s = tl.where(visible, s, NEG_INF)
         # Key 0 is visible to every row, so m_new is finite from the first tile on.
@@ -104,7 +113,9 @@ def _prefill_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + mma(rne(p, INTERP_BF16).to(v.dtype), v, PRECISION, INTERP_BF16)
+        v = kv_operand(v, q, KV_QUANT, INTERP_BF16)
+        pv = kv_column_scales(p, v_scale_ptr, off, t_mask, KV_QUANT)
+        acc = acc * alpha[:, None] + mma(rne(pv, INTERP_BF16).to(v.dtype), v, PRECISION, INTERP_BF16)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -133,10 +144,14 @@ def paged_attention_prefill_triton(
     block_q = 32
     block_n = 32 if fp32 and head_dim > 64 else 64  # fp32 tiles are twice the bytes
     grid = (num_tokens // block_q + num_seqs, num_heads)
+    k_scales, row, quant = kv_cache_args(k_cache)
+    v_scales = kv_cache_args(v_cache)[0]
     _prefill_kernel[grid](
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         block_tables,
         query_start_loc,
         seq_lens,
@@ -152,6 +167,8 @@ def paged_attention_prefill_triton(
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
+        ROW=row,
+        KV_QUANT=quant,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,

@@ -7,8 +7,9 @@ metadata on the CPU first) calls check_seq_lens_fit itself.
 """
 
 import torch
+from tokenmill.kernels import kv_quant
 
-_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -22,10 +23,18 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {_shape(k_cache)}, got {_shape(v_cache)}")
-    if k_cache.dtype not in _CACHE_DTYPES:
-        raise ValueError(f"k_cache dtype must be one of float32/float16/bfloat16, got {k_cache.dtype}")
+    if k_cache.dtype not in _FLOAT_DTYPES and not kv_quant.is_quantized(k_cache):
+        raise ValueError(
+            "k_cache dtype must be one of float32/float16/bfloat16 or (8-bit) int8/float8_e4m3fn/float8_e5m2, "
+            f"got {k_cache.dtype}"
+        )
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache dtype must equal k_cache dtype {k_cache.dtype}, got {v_cache.dtype}")
+    if kv_quant.is_quantized(k_cache) and (k_cache.shape[3] <= kv_quant.KV_SCALE_BYTES or k_cache.shape[3] % 4):
+        raise ValueError(
+            f"an 8-bit cache is [num_blocks, block_size, num_kv_heads, head_dim + {kv_quant.KV_SCALE_BYTES}] "
+            f"(codes, then an fp32 scale) with head_dim a multiple of 4, got {_shape(k_cache)}"
+        )
     if v_cache.device != k_cache.device:
         raise ValueError(f"v_cache must be on k_cache's device {k_cache.device}, got {v_cache.device}")
     # Every implementation addresses slots as flat offsets into the cache.
@@ -33,6 +42,15 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(
             "k_cache and v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]"
         )
+
+
+def _check_dtype(name: str, t: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Queries, keys and values are the model's dtype: the cache's, or any float one for an 8-bit cache."""
+    if kv_quant.is_quantized(k_cache):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype must be float32/float16/bfloat16, got {t.dtype}")
+    elif t.dtype != k_cache.dtype:
+        raise ValueError(f"{name} dtype must equal the cache dtype {k_cache.dtype}, got {t.dtype}")
 
 
 def _check_same(name: str, t: torch.Tensor, ref: torch.Tensor, what: str = "k_cache") -> None:
@@ -55,7 +73,7 @@ def check_store_kv_args(
     slot_mapping: torch.Tensor,
 ) -> None:
     _check_cache(k_cache, v_cache)
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2], kv_quant.cache_head_dim(k_cache)
     if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
             f"key must be [num_tokens, num_kv_heads={num_kv_heads}, head_dim={head_dim}], got {_shape(key)}"
@@ -63,9 +81,10 @@ def check_store_kv_args(
     if value.shape != key.shape:
         raise ValueError(f"value must have key's shape {_shape(key)}, got {_shape(value)}")
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != k_cache.dtype:
-            raise ValueError(f"{name} dtype must equal the cache dtype {k_cache.dtype}, got {t.dtype}")
+        _check_dtype(name, t, k_cache)
         _check_same(name, t, k_cache)
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype must equal key dtype {key.dtype}, got {value.dtype}")
     _check_int("slot_mapping", slot_mapping, torch.int64, "[num_tokens]", 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
@@ -76,14 +95,14 @@ def check_store_kv_args(
 
 
 def _check_query(q: torch.Tensor, k_cache: torch.Tensor, rows: str) -> None:
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2], kv_quant.cache_head_dim(k_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0 or q.shape[1] == 0:
+        rows_8bit = f" (an 8-bit cache's rows are head_dim + {kv_quant.KV_SCALE_BYTES}: codes, then an fp32 scale)"
         raise ValueError(
             f"q must be [{rows}, num_heads (a multiple of num_kv_heads={num_kv_heads}), "
-            f"head_dim={head_dim}], got {_shape(q)}"
+            f"head_dim={head_dim}], got {_shape(q)}{rows_8bit if kv_quant.is_quantized(k_cache) else ''}"
         )
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype must equal the cache dtype {k_cache.dtype}, got {q.dtype}")
+    _check_dtype("q", q, k_cache)
     _check_same("q", q, k_cache)
 
 

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from tokenmill.operator.children.desired import Desired
 from tokenmill.operator.children.leaderworkerset import KIND as LWS_KIND
 from tokenmill.operator.children.leaderworkerset import as_deployment
+from tokenmill.operator.children.lora_config import lora_config_name
 from tokenmill.operator.children.meta import is_owned_by
 from tokenmill.operator.children.model_source import CACHE_CLAIM_SUFFIX
 from tokenmill.operator.observe.cluster import Live
+from tokenmill.operator.observe.router import ROUTER_KINDS, RouterLive, router_child_name
 from tokenmill.operator.plan.spec import ServiceSpec
 
 log = logging.getLogger("tokenmill.operator")
@@ -31,6 +33,7 @@ class Applied:
 def apply_children(api, spec: ServiceSpec, desired: Desired, live: Live, why: str, events: list[Event]) -> Applied:
     """`why`: the reason a change of size gives in its event. Events are appended to `events`."""
     apply_cache_claim(api, spec, desired.cache_claim, events)
+    apply_lora_config(api, spec, desired.lora_config, events)  # before the pods that mount it
     applied = _apply_workload(api, desired, live, why, events)
     # A plan that moved between one node and several: the other workload kind goes once the new one exists.
     other = "Deployment" if live.multi_node else LWS_KIND
@@ -47,7 +50,28 @@ def apply_children(api, spec: ServiceSpec, desired: Desired, live: Live, why: st
             api.apply(want)
             if live.objects[kind] is None:
                 events.append(("Normal", "Created", f"{kind} {spec.name}"))
+    apply_router(api, spec, desired.router, live.router, events)
     return applied
+
+
+def apply_router(api, spec: ServiceSpec, want: list[dict], live: RouterLive, events: list[Event]) -> None:
+    """The router's children (spec.routing) in order; those no longer wanted (routing turned off, or a
+    Gateway named instead of the standalone Envoy) are deleted."""
+    wanted = {obj["kind"] for obj in want}
+    for obj in want:
+        old = live.objects.get(obj["kind"])
+        if old is not None and obj["kind"] == "RoleBinding" and old.get("roleRef") != obj["roleRef"]:
+            api.delete("RoleBinding", spec.namespace, obj["metadata"]["name"])  # roleRef is immutable
+            old = None
+        if old is None or differs(obj, old):
+            api.apply(obj)
+            if old is None:
+                events.append(("Normal", "Created", _name(obj)))
+    for kind in ROUTER_KINDS:
+        if kind in live.objects and kind not in wanted:
+            api.delete(kind, spec.namespace, router_child_name(spec, kind))
+            events.append(("Normal", "Deleted", f"{kind} {router_child_name(spec, kind)}: routing is off"
+                           if spec.routing is None else f"{kind} {router_child_name(spec, kind)}: no longer used"))
 
 
 def _name(obj: dict) -> str:
@@ -70,6 +94,20 @@ def _apply_workload(api, desired: Desired, live: Live, why: str, events: list[Ev
             scaled = True
         workload = as_deployment(want["kind"], api.apply(want))
     return Applied(workload, spec_changed, scaled)
+
+
+def apply_lora_config(api, spec: ServiceSpec, want: dict | None, events: list[Event]) -> None:
+    """spec.model.lora's ConfigMap: written when it drifts (the engines follow it: no rollout). Without
+    spec.model.lora it is not looked at (no read per reconcile of every service): one left by a spec that
+    dropped its lora goes with the InferenceService (owner reference), unread by its pods."""
+    if want is None:
+        return
+    name = lora_config_name(spec)
+    live = api.get("ConfigMap", spec.namespace, name)
+    if live is None or differs(want, live):
+        api.apply(want)
+        adapters = ", ".join(a.name for a in spec.lora.adapters) or "none"
+        events.append(("Normal", "Created" if live is None else "Updated", f"ConfigMap {name}: LoRA adapters {adapters}"))
 
 
 def apply_cache_claim(api, spec: ServiceSpec, want: dict | None, events: list[Event]) -> None:

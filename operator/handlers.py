@@ -23,6 +23,7 @@ from tokenmill.operator import reconcile as rec
 from tokenmill.operator.children.meta import MANAGED_BY, OPERATOR_NAME
 from tokenmill.operator.kube import KubeApi
 from tokenmill.operator.leadership import acting
+from tokenmill.operator.plan.scale_to_zero import WAKE_POLL_SECONDS
 from tokenmill.operator.plan.spec import GROUP, KIND, PLURAL, VERSION
 from tokenmill.operator.self_metrics import RECONCILE_SECONDS, RECONCILES
 
@@ -140,9 +141,10 @@ def _acting(memo: kopf.Memo, namespace: str) -> bool:
 async def keep_serving(memo: kopf.Memo, namespace: str, name: str, uid: str) -> None:
     """Autoscaling and drift correction every `interval` seconds, for as long as the object exists."""
     interval = memo.config.interval
+    delay = interval
     try:
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(delay)
             if not await asyncio.to_thread(_acting, memo, namespace):
                 continue  # a standby: the acting replica does this pass
             try:
@@ -152,24 +154,36 @@ async def keep_serving(memo: kopf.Memo, namespace: str, name: str, uid: str) -> 
                 continue
             if body is None or body["metadata"].get("uid") != uid:
                 return  # deleted (or replaced by a new object with its own loop)
-            await asyncio.to_thread(_safe_reconcile, memo, body, True)
+            status = await asyncio.to_thread(_safe_reconcile, memo, body, True)
+            delay = min(interval, WAKE_POLL_SECONDS) if at_zero(status) else interval
     finally:
         known = memo.loops.get((namespace, name))
         if known is not None and known[0] == uid and known[1] is asyncio.current_task():
             memo.loops.pop((namespace, name), None)
 
 
-def _safe_reconcile(memo: kopf.Memo, body: dict, autoscale: bool) -> None:
-    """A failure on one object is logged and retried on the next event or tick; others go on."""
+def at_zero(status: dict | None) -> bool:
+    """A service scaled to zero: its loop reads the router's queue every WAKE_POLL_SECONDS, so that a held
+    request wakes it at once."""
+    status = status or {}
+    return status.get("desiredReplicas") == 0 and any(
+        c.get("type") == "ScaledToZero" for c in status.get("conditions") or [])
+
+
+def _safe_reconcile(memo: kopf.Memo, body: dict, autoscale: bool) -> dict:
+    """A failure on one object is logged and retried on the next event or tick; others go on. Returns the
+    status written ({} on failure)."""
     meta = body.get("metadata", {})
     try:
         with RECONCILE_SECONDS.time():
-            rec.reconcile(memo.api, body, memo.config, autoscale=autoscale)
+            status = rec.reconcile(memo.api, body, memo.config, autoscale=autoscale)
         RECONCILES.labels(result="ok").inc()
+        return status
     except Exception:
         RECONCILES.labels(result="error").inc()
         log.exception("reconcile of InferenceService %s/%s failed; retrying in %ss",
                       meta.get("namespace"), meta.get("name"), memo.config.interval)
+        return {}
 
 
 def run(

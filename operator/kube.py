@@ -28,6 +28,14 @@ RESOURCES = {
     "Secret": ("/api/v1", "secrets"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Event": ("/api/v1", "events"),
+    # The router of a routed service (spec.routing): the endpoint picker's ServiceAccount, RoleBinding and
+    # ConfigMap; its InferencePool; the HTTPRoute and (read only) the Gateway it attaches to.
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
+    "Gateway": ("/apis/gateway.networking.k8s.io/v1", "gateways"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
     # Kueue (read only): the queue a service names, its ClusterQueue (cluster-scoped), the Workloads of its pods.
     "LocalQueue": ("/apis/kueue.x-k8s.io/v1beta2", "localqueues"),

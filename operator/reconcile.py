@@ -16,11 +16,13 @@ from tokenmill.operator.apply import apply_children
 from tokenmill.operator.children.desired import desired_children
 from tokenmill.operator.children.leaderworkerset import lws_name
 from tokenmill.operator.children.pod import DEFAULT_ENGINE_IMAGE
+from tokenmill.operator.children.router import RouterSettings
 from tokenmill.operator.observe.cluster import first_blocker, read_children
 from tokenmill.operator.observe.engine_metrics import Readings, query_prometheus, read_engines, scrape_pods
 from tokenmill.operator.observe.hub import HubCache
 from tokenmill.operator.observe.hub_lookup import ask_hub
 from tokenmill.operator.observe.kueue import read_queue
+from tokenmill.operator.observe.router_metrics import read_router_queue
 from tokenmill.operator.plan.autoscaler import STALE_AFTER_SECONDS
 from tokenmill.operator.plan.kueue import (
     admission,
@@ -35,11 +37,13 @@ from tokenmill.operator.plan.spec import SpecError, parse_inference_service
 from tokenmill.operator.status import (
     held,
     invalid,
+    lora_status,
     measurement,
     own_status,
     recommendations,
     serving,
     write_status,
+    zero_state,
 )
 
 
@@ -51,6 +55,7 @@ class OperatorConfig:
     stale_after: float = STALE_AFTER_SECONDS
     hf_endpoint: str | None = None  # HF_ENDPOINT for the engine pods and the operator's hub lookups
     hub: HubCache = field(default_factory=HubCache)
+    router: RouterSettings = field(default_factory=RouterSettings)  # images and ClusterRole of routers
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -76,6 +81,7 @@ def reconcile(
     now: float | None = None,
     scrape: Readings = scrape_pods,
     query_prometheus: Readings = query_prometheus,
+    read_held=read_router_queue,
 ) -> dict:
     """Bring one InferenceService's children and status in line; returns the status written."""
     meta = body.get("metadata") or {}
@@ -86,11 +92,12 @@ def reconcile(
         fresh = api.get("InferenceService", ns, name)
         if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
             return {}  # deleted, or replaced by a new object that has its own reconciles
-        return _reconcile(api, fresh, config, autoscale, time.time() if now is None else now, scrape, query_prometheus)
+        return _reconcile(api, fresh, config, autoscale, time.time() if now is None else now, scrape, query_prometheus,
+                          read_held)
 
 
 def _reconcile(api, body: dict, config: OperatorConfig, autoscale: bool, now: float, scrape: Readings,
-               query_prometheus: Readings) -> dict:
+               query_prometheus: Readings, read_held) -> dict:
     previous = own_status(body)
     try:
         spec = parse_inference_service(body)
@@ -115,15 +122,22 @@ def _reconcile(api, body: dict, config: OperatorConfig, autoscale: bool, now: fl
     queued = None if view is None else admission(spec, view, live.pods, gpus_per_replica(sized.plan),
                                                  workload_name_pattern(spec, lws_name(spec)), now)
     engines = read_engines(spec, live.pods, autoscale, config.metrics_timeout, scrape, query_prometheus)
+    if spec.routing is not None and spec.scaling is not None and autoscale:
+        held_requests, why = read_held(spec.name, live.router.pods, config.metrics_timeout)
+        engines = dataclasses.replace(engines, router_queue=held_requests, router_error=why)
     measured, events = measurement(previous, sized.plan, spec.generation, engines.measured, now)
     replicas = plan_replicas(spec, sized.plan, current=live.current, engines=engines, measured=measured,
                              previous=previous, history=recommendations(previous),
                              quotas=api.list("ResourceQuota", spec.namespace), pods=live.pods,
                              interval=config.interval, stale_after=config.stale_after, autoscale=autoscale, now=now,
-                             queue=queued)
+                             queue=queued, zero_state=zero_state(previous))
 
     # The desired children, applied; then status.
-    desired = desired_children(spec, sized.plan, replicas.replicas, config.engine_image, config.hf_endpoint)
+    desired = desired_children(spec, sized.plan, replicas.replicas, config.engine_image, config.hf_endpoint,
+                               config.router)
     applied = apply_children(api, spec, desired, live, replicas.why, events)
     report = serving(spec, sized, live, previous, replicas, applied, measured, events, now, queued)
+    lora = lora_status(spec, engines, previous)
+    if lora is not None:
+        report.status["lora"] = lora
     return write_status(api, body, previous, report, now)

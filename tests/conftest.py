@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 # TOKENMILL_CPU_TIER (kernels/cpu_probe.py). One list, so a new kernel test is added here once.
 CPU_TIER_MODULES = {
     "test_attention_cpu_direct", "test_cpu_probe", "test_decoder_layers_cpu", "test_gemm_cpu", "test_kernels_cpu",
-    "test_layers_cpu", "test_linear_bf16_codes", "test_linear_bf16_dot", "test_linear_cpu", "test_linear_dense_bf16",
+    "test_kernels_kv8", "test_layers_cpu", "test_linear_bf16_codes", "test_linear_bf16_dot", "test_linear_cpu",
+    "test_linear_dense_bf16",
     "test_model_loader",
     "test_topk_cpu",
 }  # fmt: skip
@@ -39,7 +40,19 @@ def pytest_report_header(config) -> str:
 
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> pathlib.Path:
-    """The bundled SmolLM2-135M-Instruct, converted once into the user's cache (reused across runs)."""
+    """The bundled SmolLM2-135M-Instruct as a Hugging Face folder of fp32 safetensors, its GGUF blocks
+    dequantized (the reference transformers and the engine's parity tests load), written once into the
+    user's cache. The engine itself serves the GGUF's blocks: bundled_gguf_dir."""
+    from tokenmill.engine.model.bundled import bundled_gguf_path
+    from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
+
+    return dequantized_copy_cached(bundled_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf_dir() -> pathlib.Path:
+    """What `tokenmill serve` loads by default: the bundled GGUF's folder (config, tokenizer, a link to the
+    file), its weights read from the file's blocks."""
     from tokenmill.engine.model.resolve import resolve_model
 
     return resolve_model(None)

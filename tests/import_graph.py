@@ -19,11 +19,12 @@ FOLDERS = {"engine": "tokenmill.engine", "kernels": "tokenmill.kernels", "operat
 # Leaves are the torch-free shared types and math every unit may use (the operator imports some of them);
 # they import only other leaves. `api` is the public `LLM` (and the package's lazy exports).
 ENGINE_ORDER = [
-    "cli", "bench", "server", "api", "frontend", "core", "structured_output", "executor", "worker", "model",
-    "models", "layers", "distributed", "leaves",
+    "cli", "bench", "server", "api", "frontend", "core", "structured_output", "executor", "worker", "lora",
+    "model", "models", "layers", "distributed", "leaves",
 ]  # fmt: skip
 ENGINE_LEAVES = {"config", "model_config", "sampling_params", "outputs", "request", "kv_memory", "metric_names",
-                 "parallel_check", "load_memory"}  # fmt: skip
+                 "parallel_check", "load_memory", "lora_request", "lora_memory", "gguf_header",
+                 "quant_memory"}  # fmt: skip
 # The operator (operator/__init__.py): which units each unit may import besides itself.
 OPERATOR_RULES = {
     "cli": {"handlers", "reconcile", "self_metrics", "children", "plan"},
@@ -40,7 +41,8 @@ OPERATOR_RULES = {
     "__init__": set(),
 }
 # What of the engine the operator may import: the leaves its image can run without torch.
-OPERATOR_ENGINE_LEAVES = {"kv_memory", "metric_names", "config", "parallel_check", "load_memory"}
+OPERATOR_ENGINE_LEAVES = {"kv_memory", "metric_names", "config", "parallel_check", "load_memory", "lora_memory",
+                          "gguf_header", "quant_memory"}
 
 
 def modules() -> dict[str, pathlib.Path]:

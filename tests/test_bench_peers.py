@@ -63,3 +63,29 @@ def test_markdown_and_plot(tmp_path) -> None:
     out = tmp_path / "peers.png"
     plot(ratio_table(rows()), str(out), "test")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_peak_rss_counts_the_servers_children() -> None:
+    """tokenmill's engine core is a child of its API server: the peak looks through the process tree."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tokenmill.engine.bench.peers import peak_rss_bytes
+
+    child = "x = bytearray(80_000_000); x[::4096] = b'1' * len(x[::4096]); import time; time.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"],
+                              start_new_session=True)  # fmt: skip
+    try:
+        peak = 0
+        for _ in range(100):  # until the child has touched its 80 MB
+            time.sleep(0.1)
+            peak = peak_rss_bytes(parent.pid)
+            if peak > 80_000_000:
+                break
+        assert peak > 80_000_000
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent and its child
+        parent.wait()

@@ -39,5 +39,10 @@ def test_model_shape_of_the_bundled_model():
     from tokenmill.engine.model.resolve import resolve_model
 
     shape = model_shape(str(resolve_model(None)))
-    # SmolLM2-135M: the published parameter count and attention shape
+    # SmolLM2-135M: the published parameter count and attention shape; its GGUF's weights as codes: 30 layers
+    # of Q4_1 projections (576 x (576 + 192 + 192 + 576) + 3 x 1536 x 576 each) at 0.5 + 4 / 32 bytes (a
+    # nibble, an fp16 scale and min per 32), the Q8_0 embedding at 1 + 4 / 32, 61 norms of 576 in bf16
+    weights = shape.pop("weight_bytes")
     assert shape == {"params": 134_515_008, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
+    projections = 30 * (576 * (576 + 192 + 192 + 576) + 3 * 1536 * 576)
+    assert weights == projections * 5 // 8 + 49152 * 576 * 9 // 8 + 61 * 576 * 2

@@ -6,7 +6,6 @@ import pathlib
 import pytest
 import torch
 from tokenmill.engine import LLM, SamplingParams
-from tokenmill.engine.model.resolve import resolve_model
 
 from tests.tiny_models import make_tiny_model
 
@@ -39,8 +38,10 @@ def hf_greedy(model_dir: pathlib.Path, prompt_ids: list[list[int]], max_tokens: 
 
 
 @pytest.fixture(scope="module")
-def bundled_dir() -> pathlib.Path:
-    return resolve_model(None)
+def bundled_dir(bundled_model_dir) -> pathlib.Path:
+    """The reference transformers loads: the bundled GGUF dequantized to fp32 (the engine's LLM() serves
+    the GGUF's blocks: the parity rule)."""
+    return bundled_model_dir
 
 
 @pytest.fixture(scope="module")

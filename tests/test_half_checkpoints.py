@@ -7,8 +7,8 @@ transformers from the same files:
 - served in fp32, token for token the same greedy tokens as transformers in fp32 on CPU (the upcast is
   exact, so the two compute with the same weights);
 - served in the file's own dtype, no less accurate than transformers in that dtype (the rounding is
-  the dtype's, not ours), and where the engine's half-precision linears are torch's (no oneDNN
-  prepacking: fp16 always, bf16 on CPUs without AVX-512) the same greedy tokens as transformers' there;
+  the dtype's, not ours), and every free-running greedy token transformers' choice in that dtype on the
+  same prefix, or within the dtype's own rounding of it;
 - the codes search finds integer blocks only where they rebuild the weight bit for bit, and a half
   checkpoint served in its dtype is loaded in that dtype, not through fp32 for codes.
 """
@@ -20,7 +20,7 @@ import struct
 import pytest
 import torch
 from tokenmill.engine import LLM, SamplingParams
-from tokenmill.engine.layers.cpu_gemm_policy import bf16_codes_wanted, can_prepack
+from tokenmill.engine.layers.cpu_gemm_policy import bf16_codes_wanted
 from tokenmill.engine.layers.linear import Linear
 from tokenmill.engine.layers.weight_codes import BLOCK, find_weight_codes
 from tokenmill.engine.worker.cpu_weights import plan_weights
@@ -53,18 +53,6 @@ def _hf(model_dir: pathlib.Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-
-
-def _hf_greedy_in(model_dir: pathlib.Path, ids: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
-    model = _hf(model_dir, dtype)
-    outs = []
-    for p in ids:
-        x = torch.tensor([p])
-        with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
-                               min_new_tokens=MAX_TOKENS, pad_token_id=0)
-        outs.append(y[0, len(p):].tolist())
-    return outs
 
 
 def _hf_logprobs(model_dir: pathlib.Path, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -246,8 +234,23 @@ def test_the_bundled_model_served_in_its_stored_half_dtype_is_as_accurate_as_tra
     assert our_top1 >= hf_top1 - 1, (our_top1, hf_top1)
     assert our_mean <= 1.5 * hf_mean, (our_mean, hf_mean)
 
-    # Where the engine's half linears are torch's own F.linear, as transformers' are (no oneDNN prepack),
-    # the free-running greedy tokens are transformers' in the same dtype (measured on an AVX2 EPYC: all
-    # 5 x 24 equal in bf16 and in fp16; in bf16 both part from fp32 at token 6 of the third prompt).
-    if not can_prepack(CPU, half):
-        assert run_tokens(llm, prompt_ids) == _hf_greedy_in(folder, prompt_ids, half)
+    # Free-running greedy tokens in the dtype: exact equality with transformers' own run holds only where
+    # both compute every product with the same rounding, and torch's CPU GEMMs round by batch shape (a row
+    # alone and the same row in a batch of 40 differ in all three dtypes on an AVX-512 Xeon; they did not
+    # on an AVX2 EPYC), so two correct runs part at the first near-tie. What must hold on every CPU: each
+    # token the engine picks is transformers' argmax in the same dtype on the engine's own prefix, or within
+    # the dtype's own rounding of it (the largest |logprob difference| transformers shows between fp32 and
+    # this dtype on TEXT above). A wrong weight, rope or mask parts by whole nats.
+    tolerance = max(hf_diff)
+    model = _hf(folder, half)
+    ours = run_tokens(llm, prompt_ids)
+    worst, exact_tokens = 0.0, 0
+    for prompt, tokens in zip(prompt_ids, ours, strict=True):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        logprobs = torch.log_softmax(logits, -1)
+        gaps = logprobs.max(-1).values - logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+        worst, exact_tokens = max(worst, float(gaps.max())), exact_tokens + int((gaps == 0).sum())
+    print(f"{dtype}: {exact_tokens} of {sum(map(len, ours))} greedy tokens are transformers' argmax on the "
+          f"same prefix; the largest gap {worst:.4f} (the dtype's rounding {tolerance:.4f})")
+    assert worst <= tolerance, (worst, tolerance)

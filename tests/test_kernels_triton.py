@@ -168,3 +168,51 @@ def test_triton_strided_q_gives_contiguous_output():
     out = paged_attention_prefill(q, k_cache, v_cache, table, qsl, seq_lens, 0.125, impl="triton")
     assert out.is_contiguous()
     assert_close(out, expected, torch.float32, "prefill")
+
+
+# ---- 8-bit KV caches (kernels/kv_quant.py): what CUDA runs for --kv-cache-dtype fp8 / int8 ----
+KV8 = [torch.int8, torch.float8_e4m3fn]
+
+
+def _kv8(k_cache, v_cache, dtype):
+    from tokenmill.kernels import kv_quant
+
+    kq, vq = kv_quant.quantize_rows(k_cache, dtype), kv_quant.quantize_rows(v_cache, dtype)
+    return kq, vq, kv_quant.dequantize_rows(kq, torch.float64), kv_quant.dequantize_rows(vq, torch.float64)
+
+
+@pytest.mark.parametrize("cache_dtype", [*KV8, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_triton_8bit_writes_the_reference_bytes(cache_dtype, dtype):
+    k_cache = torch.zeros(5, 16, 3, 68, dtype=cache_dtype)
+    v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
+    fused = (torch.randn(6, 2, 3, 64, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    fused[1, 0, 1] = 0  # scale 0
+    fused[0, 1, 2, :9] = 2e-5  # fp8 subnormals after scaling
+    slots = torch.tensor([3, -1, 79, 16, -1, 40], dtype=torch.int64)
+    store_kv(fused[:, 0], fused[:, 1], k_cache, v_cache, slots, impl="triton")
+    store_kv(fused[:, 0], fused[:, 1], k_ref, v_ref, slots, impl="torch")
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", KV8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_triton_on_8bit_cache_matches_naive(cache_dtype, dtype, num_splits):
+    lens = [1, 15, 16, 17, 83, 0]
+    q, k_cache, v_cache, table, seq_lens = decode_batch(lens, 16, 2, 3, 64, dtype, seed=5)
+    kq, vq, kd, vd = _kv8(k_cache, v_cache, cache_dtype)
+    out = paged_attention_decode_triton(q, kq, vq, table, seq_lens, 0.125, num_splits=num_splits)
+    assert_close(out, naive_decode(q, kd, vd, table, seq_lens, 0.125), dtype, f"triton {cache_dtype}")
+    assert torch.count_nonzero(out[5]) == 0
+
+
+@pytest.mark.parametrize("cache_dtype", KV8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_triton_on_8bit_cache_matches_naive(cache_dtype, dtype):
+    seq_lens, query_lens = [1, 15, 17, 50, 23, 40], [1, 15, 17, 40, 3, 0]
+    q, k_cache, v_cache, table, qsl, lens = prefill_batch(seq_lens, query_lens, 16, 1, 3, 64, dtype)
+    kq, vq, kd, vd = _kv8(k_cache, v_cache, cache_dtype)
+    out = paged_attention_prefill(q, kq, vq, table, qsl, lens, 0.125, impl="triton")
+    assert_close(out, naive_prefill(q, kd, vd, table, qsl, lens, 0.125), dtype, f"triton {cache_dtype}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tokenmill.engine.model import gguf_convert
 from tokenmill.engine.model.bundled import bundled_gguf_path
+from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
 from tokenmill.engine.model.loader import load_model
 from tokenmill.engine.model.resolve import resolve_model
 from tokenmill.engine.model.tokenizer import load_tokenizer
@@ -73,11 +74,16 @@ def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 def write_gguf(
-    path: pathlib.Path, hf_dir: pathlib.Path, gguf_arch: str, quantize: tuple[str, ...] = (), add_bos: bool = False
+    path: pathlib.Path, hf_dir: pathlib.Path, gguf_arch: str, quantize: tuple[str, ...] = (), add_bos: bool = False,
+    types: dict[str, str] | None = None,
 ) -> pathlib.Path:
-    """Write hf_dir's weights and config as llama.cpp would: F32 tensors (Q8_0 for names in quantize)."""
+    """Write hf_dir's weights and config as llama.cpp would: F32 tensors (Q8_0 for names in quantize; the
+    GGUF type types[name] for names there, K-quants by engine/bench/gguf_quantize.py)."""
     import gguf
     from safetensors.torch import load_file
+    from tokenmill.engine.bench import gguf_quantize as gguf_quants
+
+    types = {**{name: "Q8_0" for name in quantize}, **(types or {})}
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -97,12 +103,12 @@ def write_gguf(
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    tokens, types, merges = _tiny_vocab()
+    tokens, token_types, merges = _tiny_vocab()
     assert len(tokens) == cfg["vocab_size"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list(tokens)
-    w.add_token_types(types)
+    w.add_token_types(token_types)
     w.add_token_merges(merges)
     w.add_bos_token_id(257)
     w.add_eos_token_id(258)
@@ -114,9 +120,9 @@ def write_gguf(
             a = llama_cpp_permute(a, heads)
         if gguf_arch == "llama" and name.endswith("k_proj.weight"):
             a = llama_cpp_permute(a, kv_heads)
-        if name in quantize:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(_gguf_name(name), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if name in types:
+            q = gguf_quants.quantize(a, types[name])
+            w.add_tensor(_gguf_name(name), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[types[name]])
         else:
             w.add_tensor(_gguf_name(name), a)
     w.write_header_to_file()
@@ -144,10 +150,10 @@ def test_gguf_round_trip_restores_the_exact_weights_and_logits(tmp_path, cache_h
 
     hf_dir = make_tiny_model(tmp_path, arch, vocab_size=TINY_VOCAB)
     gguf_file = write_gguf(tmp_path / f"{arch}.gguf", hf_dir, gguf_arch)
-    model_dir = resolve_model(gguf_file)
+    model_dir = resolve_model(gguf_file)  # what the engine loads: the file's own tensors
 
     original = load_file(hf_dir / "model.safetensors")
-    converted = load_file(model_dir / "model.safetensors")
+    converted = load_file(dequantized_copy_cached(gguf_file) / "model.safetensors")
     assert set(converted) == set(original)
     for name, t in original.items():
         assert torch.equal(converted[name], t), name  # incl. Q/K rows back in HF order
@@ -172,7 +178,7 @@ def test_gguf_round_trip_restores_the_exact_weights_and_logits(tmp_path, cache_h
 def test_large_models_are_written_in_shards_that_both_loaders_read(tmp_path, cache_home, monkeypatch) -> None:
     monkeypatch.setattr(gguf_convert, "_SHARD_BYTES", 100_000)  # ~4 tensors per shard for the tiny model
     hf_dir = make_tiny_model(tmp_path, "qwen2", vocab_size=TINY_VOCAB)
-    model_dir = resolve_model(write_gguf(tmp_path / "s.gguf", hf_dir, "qwen2"))
+    model_dir = dequantized_copy_cached(write_gguf(tmp_path / "s.gguf", hf_dir, "qwen2"))
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     seq = list(range(5, 40))
@@ -198,7 +204,7 @@ def test_quantized_tensors_dequantize_to_gguf_values_with_rows_in_hf_order(tmp_p
     hf_dir = make_tiny_model(tmp_path, "llama", vocab_size=TINY_VOCAB)
     names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
              "model.layers.0.mlp.down_proj.weight")
-    model_dir = resolve_model(write_gguf(tmp_path / "q.gguf", hf_dir, "llama", quantize=names))
+    model_dir = dequantized_copy_cached(write_gguf(tmp_path / "q.gguf", hf_dir, "llama", quantize=names))
     original = load_file(hf_dir / "model.safetensors")
     converted = load_file(model_dir / "model.safetensors")
     for name in names:
@@ -215,14 +221,14 @@ def test_second_resolve_reuses_the_cache_without_converting(tmp_path, cache_home
     hf_dir = make_tiny_model(tmp_path, "llama", vocab_size=TINY_VOCAB)
     gguf_file = write_gguf(tmp_path / "m.gguf", hf_dir, "llama")
     first = resolve_model(gguf_file)
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    stamp = (first / "config.json").stat().st_mtime_ns
 
     def fail(*args, **kwargs):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(gguf_convert, "convert_gguf", fail)
     assert resolve_model(gguf_file) == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (first / "config.json").stat().st_mtime_ns == stamp
     assert _cache_entries(cache_home) == [first.name]
     # The cache is keyed by content: the same bytes with a new mtime (another venv's copy) reuse it...
     st = gguf_file.stat()
@@ -248,7 +254,7 @@ def test_a_failed_conversion_leaves_nothing_behind_and_the_next_one_succeeds(tmp
     assert _cache_entries(cache_home) == []  # no half folder, no temp dir
     monkeypatch.setattr(gguf_convert, "convert_tokenizer", real)
     model_dir = resolve_model(gguf_file)
-    assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
+    assert (model_dir / "model.gguf").resolve() == gguf_file.resolve() and (model_dir / "tokenizer.json").is_file()
 
 
 def test_temp_dirs_left_by_a_killed_conversion_are_cleaned_up_later(tmp_path, cache_home) -> None:

@@ -61,7 +61,14 @@ def test_resolve_model_errors_name_the_path(tmp_path) -> None:
     assert resolve_model(tmp_path) == tmp_path  # an HF folder is used in place
 
 
-def test_bundled_model_resolves_to_a_complete_hf_folder(bundled_model_dir) -> None:
+def test_bundled_model_resolves_to_a_folder_that_links_its_gguf(bundled_model_dir, bundled_gguf_dir) -> None:
+    names = {p.name for p in bundled_gguf_dir.iterdir()}
+    assert {"config.json", "model.gguf", "tokenizer.json", "chat_template.jinja"} <= names
+    assert not any(n.endswith(".safetensors") for n in names)  # the weights stay in the GGUF
+    assert (bundled_gguf_dir / "model.gguf").resolve() == bundled_gguf_path().resolve()
+    assert resolve_model(None) == bundled_gguf_dir
+    # The fp32 reference copy the parity tests load: the same config and tokenizer, plus the weights.
     names = {p.name for p in bundled_model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= names
-    assert resolve_model(None) == bundled_model_dir
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (bundled_model_dir / name).read_bytes() == (bundled_gguf_dir / name).read_bytes(), name

@@ -4,11 +4,12 @@ import pytest
 from tokenmill.operator.apply import differs
 from tokenmill.operator.children.deployment import desired_deployment
 from tokenmill.operator.children.pdb import desired_pdb
-from tokenmill.operator.children.pod import engine_args, startup_timeout_seconds
+from tokenmill.operator.children.pod import engine_args
 from tokenmill.operator.children.service import desired_service, endpoint
 from tokenmill.operator.plan.catalog import GPU_TYPES, MODEL_PROFILES
 from tokenmill.operator.plan.sizing import plan
 from tokenmill.operator.plan.spec import SpecError, parse_inference_service
+from tokenmill.operator.plan.startup import startup_timeout_seconds
 
 
 def isvc(spec: dict, name: str = "chat") -> dict:
@@ -42,6 +43,10 @@ def test_bundled_model_args_are_the_sized_numbers():
         "--dtype", "bfloat16", "--max-waiting-requests", "256", "--shutdown-grace-period", "110",
     ]
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 110
+    # An 8-bit cache: the resolved dtype, and the memory for the blocks sized at its bytes (96,880 x 12,240)
+    args = container(build(smol(engine={"kvCacheDtype": "fp8"}))[2])["args"]
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert args[args.index("--kv-cache-memory") + 1] == str(96_880 * 16 * 12_240)
 
 
 def test_gpu_limits_node_selection_and_tolerations():
@@ -85,15 +90,16 @@ def test_probes_use_health_and_the_startup_budget_covers_loading():
     for probe in ("readinessProbe", "startupProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
-    # 600 s + 16,060,522,496 bytes read at 100 MB/s (161 s) + downloaded at 50 MB/s (322 s); every 10 s
+    # 600 s + 16,060,522,496 bytes read at 100 MB/s (161 s) + downloaded at 50 MB/s (322 s); every 2 s
     assert startup_timeout_seconds(spec, p) == 1083
+    assert c["startupProbe"]["periodSeconds"] == 2
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1083
-    assert c["startupProbe"]["failureThreshold"] == 109
+    assert c["startupProbe"]["failureThreshold"] == 542
     assert dep["spec"]["progressDeadlineSeconds"] > 1083  # a slow load is not a failed rollout
     pvc_spec, pvc_plan, _ = build({"model": {"uri": "pvc://m/llama-3.1-8b"}, "resources": {"gpu": {"type": "nvidia-l4"}}})
     assert startup_timeout_seconds(pvc_spec, pvc_plan) == 761  # nothing to download
     _spec2, _p2, dep2 = build(smol(engine={"startupTimeoutSeconds": 120}))
-    assert container(dep2)["startupProbe"]["failureThreshold"] == 12
+    assert container(dep2)["startupProbe"]["failureThreshold"] == 60
 
 
 def test_restricted_security_context():

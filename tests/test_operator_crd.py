@@ -192,16 +192,18 @@ def full_object() -> dict:
             "model": {"uri": "hf://acme/my-llama@v2", "name": "my-llama",
                       "tokenSecretRef": {"name": "hf-token", "key": "HF_TOKEN"},
                       "cache": {"size": "200Gi", "storageClassName": "fast-rwx", "accessMode": "ReadWriteMany"},
+                      "lora": {"adapters": [{"name": "sql", "uri": "hf://acme/sql-lora@v1"}], "maxRank": 32,
+                               "maxAdapters": 2},
                       "profile": {"base": "Llama-3.1-8B", "parameters": 8_030_261_248, "layers": 32, "hiddenSize": 4096,
                                   "intermediateSize": 14336, "numAttentionHeads": 32, "numKeyValueHeads": 8,
                                   "headDim": 128, "vocabSize": 128256, "maxPositionEmbeddings": 131072,
                                   "tieWordEmbeddings": False}},
-            "engine": {"dtype": "bfloat16", "blockSize": 16, "maxModelLen": 8192, "maxNumSeqs": "auto",
+            "engine": {"dtype": "bfloat16", "kvCacheDtype": "int8", "blockSize": 16, "maxModelLen": 8192, "maxNumSeqs": "auto",
                        "gpuMemoryUtilization": 0.85, "enablePrefixCaching": False, "maxWaitingRequests": 64,
                        "startupTimeoutSeconds": 1200},
             "resources": {"gpu": {"type": "nvidia-l4", "count": 1}, "cpu": "8", "memory": "40Gi"},
             "scaling": {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 6, "scaleUpStabilizationSeconds": 30,
-                        "scaleDownStabilizationSeconds": 600,
+                        "scaleDownStabilizationSeconds": 600, "idleSeconds": 900,
                         "metrics": {"source": "prometheus", "url": "http://prometheus.monitoring:9090",
                                     "query": "sum(vllm:num_requests_waiting{namespace=\"$namespace\"})"}},
             "template": {"image": "registry.example/tokenmill:1", "imagePullPolicy": "IfNotPresent",
@@ -210,6 +212,7 @@ def full_object() -> dict:
                          "priorityClassName": "inference", "serviceAccountName": "engine", "runtimeClassName": "nvidia",
                          "annotations": {"a": "b"}, "labels": {"team": "a"}, "env": [{"name": "X", "value": "1"}]},
             "apiKeySecretRef": {"name": "chat-keys", "key": "api-key"},
+            "routing": {"enabled": True, "gateway": {"name": "inference-gateway", "namespace": "gateways"}},
         },
     }
 
@@ -241,8 +244,32 @@ def test_every_schema_field_is_read_by_the_parser(spec_schema):
     spec = parse_inference_service(obj)
     assert spec.scaling.prometheus_query and spec.engine.max_model_len == 8192 and spec.gpu_count == 1
     assert spec.token_secret == ("hf-token", "HF_TOKEN") and spec.cache.storage_class == "fast-rwx"
+    assert spec.routing.gateway_name == "inference-gateway" and spec.routing.gateway_namespace == "gateways"
+    assert spec.scaling.idle_seconds == 900 and spec.engine.kv_cache_dtype == "int8"
+    assert spec.lora.adapters[0].uri == "hf://acme/sql-lora@v1" and (spec.lora.max_rank, spec.lora.max_adapters) == (32, 2)
     obj["spec"]["model"]["cache"] = {"claimName": "shared-models"}
     assert parse_inference_service(obj).cache.claim_name == "shared-models"
+
+
+def test_kv_cache_dtype_enum_is_the_engines_and_its_rule_is_the_parsers(spec_schema):
+    """The CRD's kvCacheDtype values are the engine's --kv-cache-dtype choices; a 16/32-bit cache that is not
+    the model's dtype is refused by the CEL rule (API server) and the parser alike, with the way out."""
+    from tokenmill.engine.kv_memory import KV_CACHE_DTYPES
+
+    engine = spec_schema["properties"]["engine"]
+    assert engine["properties"]["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
+    [rule] = [r for r in engine["x-kubernetes-validations"] if "kvCacheDtype" in r["rule"]]
+    assert "use auto, int8, fp8" in rule["message"]
+    obj = full_object()
+    for dtype, kv, ok in (("bfloat16", "bfloat16", True), ("auto", "bfloat16", True), ("float32", "float32", True),
+                          ("auto", "fp8", True), ("float32", "int8", True), ("float32", "bfloat16", False),
+                          ("auto", "float16", False)):
+        obj["spec"]["engine"].update(dtype=dtype, kvCacheDtype=kv)
+        if ok:
+            assert parse_inference_service(obj).engine.kv_cache_dtype == kv
+        else:
+            with pytest.raises(SpecError, match=r"spec\.engine\.kvCacheDtype: .*use auto, or an 8-bit cache"):
+                parse_inference_service(obj)
 
 
 def test_parser_takes_any_count_of_one_node_and_refuses_more():
@@ -264,3 +291,25 @@ def test_peering_crds_match_kopf():
     assert refs.NAMESPACED_PEERINGS_K.any_name == ns["spec"]["names"]["plural"]
     assert refs.CLUSTER_PEERINGS_K.group == "kopf.dev" == cluster["spec"]["group"]
     assert cluster["spec"]["versions"][0]["name"] == refs.CLUSTER_PEERINGS_K.version
+
+
+def test_scale_to_zero_needs_routing_in_the_crd_and_the_parser(spec_schema):
+    from tokenmill.operator.plan.spec import SCALE_TO_ZERO_NEEDS_ROUTING
+
+    (rule,) = [r for r in spec_schema["x-kubernetes-validations"] if "minReplicas" in r["rule"]]
+    assert rule["message"] == SCALE_TO_ZERO_NEEDS_ROUTING and rule["fieldPath"] == ".scaling.minReplicas"
+    assert spec_schema["properties"]["scaling"]["properties"]["minReplicas"]["minimum"] == 0
+    obj = full_object()
+    obj["spec"]["scaling"]["minReplicas"] = 0
+    assert parse_inference_service(obj).scaling.min_replicas == 0
+    del obj["spec"]["routing"]
+    with pytest.raises(SpecError, match=re.escape(SCALE_TO_ZERO_NEEDS_ROUTING)):
+        parse_inference_service(obj)
+    obj["spec"]["routing"] = {"enabled": False}
+    with pytest.raises(SpecError, match=re.escape("needs spec.routing.enabled: true")):
+        parse_inference_service(obj)
+    obj["spec"]["scaling"]["minReplicas"] = 1
+    assert parse_inference_service(obj).routing is None  # routing off: no router
+    obj["spec"]["routing"] = {"enabled": True}
+    routing = parse_inference_service(obj).routing
+    assert routing is not None and routing.gateway_name is None  # standalone Envoy

@@ -17,7 +17,8 @@ import sys
 import pytest
 import yaml
 from hub_standin import HubStandin
-from test_operator_reconcile import NS, FakeApi
+from test_operator_reconcile import NS
+from test_operator_router_reconcile import POOL_API, ServedApi
 from tokenmill.operator import reconcile as rec
 from tokenmill.operator.observe.hub import HubCache
 
@@ -54,9 +55,10 @@ def hub(bundled_model_dir, tmp_path_factory):
         yield hub
 
 
-def engine_container(doc: dict, hub_url: str, tmp_path: pathlib.Path) -> dict | None:
-    """The engine container the operator's reconcile writes for this manifest (None: it creates none)."""
-    api = FakeApi()
+def engine_container(doc: dict, hub_url: str, tmp_path: pathlib.Path, status: dict | None = None) -> dict | None:
+    """The engine container the operator's reconcile writes for this manifest (None: it creates none);
+    `status` gets the status the reconcile wrote."""
+    api = ServedApi(POOL_API)  # routed examples need the InferencePool API
     body = {**doc, "metadata": {**doc["metadata"], "namespace": NS, "uid": "uid-1", "generation": 1}}
     for ref in (doc["spec"].get("apiKeySecretRef"), doc["spec"]["model"].get("tokenSecretRef")):
         if ref:
@@ -64,6 +66,8 @@ def engine_container(doc: dict, hub_url: str, tmp_path: pathlib.Path) -> dict | 
     api.objects[("InferenceService", NS, body["metadata"]["name"])] = body
     config = rec.OperatorConfig(hf_endpoint=hub_url, hub=HubCache(cache_dir=str(tmp_path / "operator-hub")))
     rec.reconcile(api, body, config, autoscale=False, now=1_000_000.0)
+    if status is not None:
+        status.update(api.objects[("InferenceService", NS, body["metadata"]["name"])].get("status") or {})
     dep = api.objects.get(("Deployment", NS, body["metadata"]["name"]))
     return None if dep is None else dep["spec"]["template"]["spec"]["containers"][0]
 
@@ -100,13 +104,19 @@ def run_check(container: dict, tmp_path: pathlib.Path, monkeypatch, capsys, args
 
 @pytest.mark.parametrize(("name", "doc"), example_services(), ids=[n for n, _ in example_services()])
 def test_every_example_argv_passes_the_engines_own_check(hub, tmp_path, monkeypatch, capsys, name, doc):
-    container = engine_container(doc, hub.url, tmp_path)
+    status: dict = {}
+    container = engine_container(doc, hub.url, tmp_path, status)
     if container is None:
         assert name == "infeasible-model.yaml", f"{name}: the operator created no Deployment"
         return  # no pod, so no argument to check
     hub.reset_log()
     rc, out = run_check(container, tmp_path, monkeypatch, capsys)
     assert rc == 0 and out.startswith("ok: "), f"{name}: {container['args']}\n{out}"
+    # The engine counts the KV bytes the operator counted (kv_memory for both): the cache dtype, the bytes
+    # per token of each rank, and so the blocks that --kv-cache-memory buys.
+    sizing = status["sizing"]
+    assert f"KV cache {sizing['kvCacheDtype']} ({sizing['kvBytesPerToken']} bytes/token)" in out, out
+    assert f"KV pool {sizing['kvBlocks']} blocks x {sizing['blockSize']} tokens" in out, out
     if doc["spec"]["model"]["uri"].startswith("hf://"):
         assert hub.downloads(doc["spec"]["model"]["uri"][5:].partition("@")[0], "config.json") == 1, \
             "the engine did not fetch config.json from the HF_ENDPOINT the operator set"

@@ -274,6 +274,31 @@ def test_float32_doubles_weights_and_kv_bytes():
     assert p.kv_blocks == blocks
 
 
+def test_an_8bit_kv_cache_counts_its_codes_and_scales():
+    """int8 / fp8: one byte per value plus a 4-byte scale per (token, KV head), both K and V, every layer."""
+    bf16 = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"])
+    for kv in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES["nvidia-l4"], EngineSettings(kv_cache_dtype=kv))
+        assert p.feasible and p.dtype == "bfloat16" and p.kv_cache_dtype == ("fp8_e4m3" if kv == "fp8" else kv)
+        assert p.kv_bytes_per_token == 2 * 30 * 3 * (64 + 4) == 12_240
+        assert p.weights_bytes == bf16.weights_bytes and p.overhead_bytes == bf16.overhead_bytes
+        # the same budget: 18,973,099,801 // (16 x 12,240) = 96,880 blocks against bf16's 51,467 (1.88x)
+        assert p.kv_blocks == 96_880 and p.kv_cache_bytes == 96_880 * 16 * 12_240
+    # Llama-3.1-8B: head_dim 128, 8 KV heads, 32 layers: 2 x 32 x 8 x 132 = 67,584 bytes (bf16: 131,072)
+    p = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-l4"], EngineSettings(kv_cache_dtype="int8"))
+    assert p.kv_bytes_per_token == 67_584 and p.kv_blocks == 2_050_849_177 // (16 * 67_584) == 1896
+
+
+def test_fp8_kv_cache_needs_a_gpu_with_fp8_and_int8_runs_anywhere():
+    for gpu in ("nvidia-a10g", "nvidia-a100-80gb"):
+        p = plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES[gpu], EngineSettings(kv_cache_dtype="fp8"), 1)
+        assert not p.feasible and p.reason == "KVCacheDtypeUnsupported"
+        assert "compute capability 8.9 or newer" in p.message and "use kvCacheDtype int8" in p.message
+        assert plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES[gpu], EngineSettings(kv_cache_dtype="int8"), 1).feasible
+    for gpu in ("nvidia-l4", "nvidia-h100-80gb", "nvidia-h200-141gb"):
+        assert plan(MODEL_PROFILES["SmolLM2-135M"], GPU_TYPES[gpu], EngineSettings(kv_cache_dtype="fp8")).feasible
+
+
 def test_lower_utilization_leaves_less_kv():
     lo = plan(MODEL_PROFILES["Llama-3.1-8B"], GPU_TYPES["nvidia-a100-80gb"], EngineSettings(gpu_memory_utilization=0.5))
     _ok, blocks, mml, _ = reference("Llama-3.1-8B", "nvidia-a100-80gb", 1, util=0.5)

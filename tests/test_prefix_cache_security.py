@@ -11,7 +11,7 @@ import pytest
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCoreRequest
 from tokenmill.engine.core.engine_core import EngineCore
-from tokenmill.engine.core.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
+from tokenmill.engine.core.kv_cache_manager import ROOT_HASH, KVCacheManager, extra_keys, hash_block_tokens
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -135,7 +135,7 @@ def forge(core: EngineCore, victim: list[int], from_rid_blocks: list[int], with_
     block = kv.blocks[from_rid_blocks[1]]
     kv.cached[key] = block.block_id
     if with_identity:  # beyond any collision: also overwrite what the block says it was computed from
-        block.identity = (kv.block_hashes(req, 1)[0], tuple(victim[BS : 2 * BS]), b"")
+        block.identity = (kv.block_hashes(req, 1)[0], tuple(victim[BS : 2 * BS]), extra_keys(req, 1))
 
 
 @pytest.mark.parametrize("with_identity", [False, True])

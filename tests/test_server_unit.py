@@ -181,6 +181,18 @@ def test_busy_loop_exits_when_the_parent_is_gone(monkeypatch):
 
 
 # ---- metrics -------------------------------------------------------------------------------------
+def test_cache_config_info_names_what_the_kv_pool_holds():
+    """vLLM's cache_dtype label: the resolved cache dtype (fp8 given, fp8_e4m3 held), so a dashboard sees
+    an 8-bit pool's blocks for what they are."""
+    import dataclasses
+
+    m = ServerMetrics("m", 400)
+    m.set_capacity(dataclasses.replace(CAPACITY, kv_cache_dtype="fp8", kv_cache_dtype_resolved="fp8_e4m3"), True)
+    [info] = [s for f in text_string_to_metric_families(m.render()[0].decode()) for s in f.samples
+              if s.name == "vllm:cache_config_info"]  # fmt: skip
+    assert info.labels["cache_dtype"] == "fp8_e4m3" and info.labels["num_gpu_blocks"] == "100"
+
+
 def test_metrics_render_every_contract_name_with_the_model_label():
     m = ServerMetrics("my-model", 400)
     m.set_capacity(CAPACITY, enable_prefix_caching=True)
@@ -193,7 +205,9 @@ def test_metrics_render_every_contract_name_with_the_model_label():
     body, content_type = m.render()
     assert content_type.startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    contract = {getattr(metric_names, n) for n in dir(metric_names) if n.isupper() and n != "LABEL_MODEL"}
+    # the LoRA gauges exist with --enable-lora only (vllm:lora_requests_info without model_name, as in vLLM):
+    # tests/test_lora_serve.py
+    contract = {getattr(metric_names, n) for n in dir(metric_names) if n.isupper() and n not in ("LABEL_MODEL", "LORA_REQUESTS_INFO", "LORA_ADAPTER_INFO")}
     assert contract <= set(families)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
@@ -210,6 +224,7 @@ def test_metrics_render_every_contract_name_with_the_model_label():
     )
     info = [k for k in samples if k[0] == "vllm:cache_config_info"]
     assert dict(info[0][1])["num_gpu_blocks"] == "100" and dict(info[0][1])["block_size"] == "16"
+    assert dict(info[0][1])["cache_dtype"] == "float32"  # the model's dtype: no --kv-cache-dtype given
     for f in families.values():
         assert all(s.labels.get("model_name") == "my-model" for s in f.samples), f.name
 
@@ -391,7 +406,7 @@ def test_a_template_error_is_a_400_on_chat_render_and_tokenize(bundled_model_dir
 
     async def run() -> list[httpx.Response]:
         engine = AsyncLLM(types.SimpleNamespace(), tokenizer, EngineInfo(CAPACITY, [2]))
-        engine.admit = engine.release = lambda ids: (
+        engine.admit = engine.release = lambda ids, *_lora: (
             None
         )  # nothing reaches generate(): the template fails first
         state = ServerState(served_model_names=["m"], engine=engine, tokenizer=tokenizer, vocab_size=100,

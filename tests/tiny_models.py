@@ -15,13 +15,13 @@ TINY_ARCHS = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def _tiny_config(arch: str, vocab_size: int) -> object:
+def _tiny_config(arch: str, vocab_size: int, hidden_size: int = 64, intermediate_size: int = 128) -> object:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -70,6 +70,8 @@ def make_tiny_model(
     seed: int = 0,
     vocab_size: int | None = None,
     dtype: torch.dtype = torch.float32,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
 ) -> pathlib.Path:
     """A tiny random `arch` model saved as an HF folder under tmp_path; returns the folder.
 
@@ -82,7 +84,7 @@ def make_tiny_model(
     from tokenmill.engine.model.resolve import resolve_model
     from transformers import AutoModelForCausalLM
 
-    config = _tiny_config(arch, vocab_size=vocab_size or 49152)
+    config = _tiny_config(arch, vocab_size or 49152, hidden_size, intermediate_size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -6,6 +6,7 @@ Outputs are forced to each request's max_tokens, as in the engine run.
 """
 
 import logging
+import pathlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,11 @@ def load_hf_model(model_dir: str, dtype: torch.dtype) -> Any:
     hf_logging.set_verbosity_error()
     # transformers' CB logs a psutil complaint on every CPU run; it changes nothing here.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    gguf = pathlib.Path(model_dir) / "model.gguf"
+    if gguf.exists():  # a GGUF's folder holds no weights transformers reads: its fp32 dequantized copy does
+        from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
+
+        model_dir = str(dequantized_copy_cached(gguf.resolve()))
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 

@@ -11,6 +11,7 @@ in bf16 (and the fp32 one in fp32 with --fp32).
 
   python -m tokenmill.engine.bench.load_peak                      # ~300M params, fp32 and bf16 files
   python -m tokenmill.engine.bench.load_peak --model DIR --dtype bfloat16
+  python -m tokenmill.engine.bench.load_peak --model FILE.gguf     # quantized weights loaded as codes
 """
 
 import argparse
@@ -89,6 +90,7 @@ def _resident_weight_bytes(model: Any) -> int:
     """Bytes of every tensor the loaded model keeps (parameters, buffers, packed and code forms), each
     storage once."""
     import torch
+    from tokenmill.engine.layers.grouped_codes import CodesEmbedding, GroupedPackedWeight, SplitPackedWeight
     from tokenmill.engine.layers.linear import CpuPackedWeight
 
     seen: dict[int, int] = {}
@@ -103,6 +105,14 @@ def _resident_weight_bytes(model: Any) -> int:
         elif isinstance(t, CpuPackedWeight):
             for part in (t.fp32, t.codes, t.scales, t.mins, t.dense):
                 add(part)
+        elif isinstance(t, GroupedPackedWeight):
+            for part in (t.lo, t.hi, t.sc, t.mn, t.d, t.dmin):
+                add(part)
+        elif isinstance(t, SplitPackedWeight):
+            for part in t.parts:
+                add(part)
+        elif isinstance(t, CodesEmbedding):
+            add(t.packed)
 
     for module in model.modules():
         for value in list(module._parameters.values()) + list(module._buffers.values()) + list(vars(module).values()):
@@ -114,7 +124,9 @@ def child(model_dir: str, dtype_name: str) -> dict[str, Any]:
     """Load as the worker does, in this process; the peak and what it is measured against."""
     import torch
     from tokenmill.engine import load_memory
+    from tokenmill.engine.gguf_header import read_gguf_header
     from tokenmill.engine.model.loader import load_model
+    from tokenmill.engine.model.resolve import resolve_model
     from tokenmill.engine.model_config import load_model_config
     from tokenmill.engine.worker.cpu_weights import (
         loading_hooks,
@@ -124,7 +136,7 @@ def child(model_dir: str, dtype_name: str) -> dict[str, Any]:
     )
     from tokenmill.kernels import cpu as cpu_kernels
 
-    path = pathlib.Path(model_dir)
+    path = resolve_model(model_dir)  # a .gguf: its cache folder (config, tokenizer, a link to the file)
     dtype, device = getattr(torch, dtype_name), torch.device("cpu")
     config = load_model_config(path)
     cpu_kernels.load()  # the kernels' build and import are not the load's memory
@@ -152,14 +164,19 @@ def child(model_dir: str, dtype_name: str) -> dict[str, Any]:
     done.set()
     sampler.join()
     end = _status_kib()
-    tensors = load_memory.checkpoint_tensors(path)
+    if (path / "model.gguf").exists():
+        tensors = read_gguf_header(path / "model.gguf").tensors
+        kinds = sorted({t.type_name for t in tensors})
+    else:
+        tensors = load_memory.checkpoint_tensors(path)
+        kinds = sorted({t.dtype for t in tensors})
     largest = max(t.nbytes for t in tensors)
     final = _resident_weight_bytes(model)
     kib = 1024
     return {
         "model": str(path), "dtype": dtype_name, "plan_load_dtype": str(plan.load_dtype).removeprefix("torch."),
         "keep_codes": plan.keep_codes, "checkpoint_bytes": sum(t.nbytes for t in tensors),
-        "checkpoint_dtypes": sorted({t.dtype for t in tensors}), "largest_tensor_bytes": largest,
+        "checkpoint_dtypes": kinds, "largest_tensor_bytes": largest,
         "final_weights_bytes": final, "baseline_rss_bytes": base["VmRSS"] * kib,
         "peak_delta_bytes": (end["VmHWM"] - base["VmRSS"]) * kib,
         "peak_delta_anon_bytes": (peak["RssAnon"] - base["RssAnon"]) * kib,
@@ -197,12 +214,13 @@ def report(r: dict[str, Any]) -> str:
         f"  final weights          {_mb(r['final_weights_bytes'])}",
         f"  largest tensor         {_mb(r['largest_tensor_bytes'])}",
         f"  bound (+{r['margin_bytes'] >> 20} MiB margin) {_mb(r['bound_bytes'])}  -> {ok}",
+        f"  peak / checkpoint      {r['peak_delta_bytes'] / r['checkpoint_bytes']:8.2f} x",
     ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tokenmill.engine.bench.load_peak", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="an HF folder to measure (default: write random ones under a temp dir)")
+    p.add_argument("--model", help="an HF folder or .gguf file to measure (default: write random ones under a temp dir)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="served dtype")
     p.add_argument("--preset", default="300m", choices=sorted(PRESETS), help="size of the random model")
     p.add_argument("--fp32", action="store_true", help="also serve the fp32 file in fp32")

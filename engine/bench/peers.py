@@ -168,8 +168,9 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
 
 def server_command(engine: str, port: int, hf_dir: str, gguf: str, vllm_bin: str, llama_server: str) -> list[str]:
     if engine == "tokenmill":
-        return [sys.executable, "-m", "tokenmill.engine.cli.main", "serve", "--port", str(port), "--max-num-seqs", "64",
-                "--max-waiting-requests", "0", "--disable-access-log", "--served-model-name", "smollm2"]
+        return [sys.executable, "-m", "tokenmill.engine.cli.main", "serve", "--model", gguf, "--port", str(port),
+                "--max-num-seqs", "64", "--max-waiting-requests", "0", "--disable-access-log",
+                "--served-model-name", "smollm2"]  # fmt: skip
     if engine == "vllm":
         return [f"{vllm_bin}/vllm", "serve", hf_dir, "--port", str(port), "--served-model-name", "smollm2",
                 "--dtype", "auto", "--max-num-seqs", "64"]
@@ -217,13 +218,37 @@ def _run_vllm_client(
                             json.loads((out_dir / f"{name}.vllm.json").read_text()))]
 
 
+def peak_rss_bytes(pid: int) -> int:
+    """The largest VmHWM (peak resident memory) among process pid and its descendants (tokenmill's engine
+    core is a child of its API server), 0 where /proc says nothing."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    peak, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+    return peak
+
+
 def run_peers(
     engines: list[str], concurrencies: list[int], num_prompts: int, out_dir: Path, hf_dir: str, gguf: str,
     port: int = 18700, ready_timeout_s: float = 900.0, workloads: tuple[str, ...] = tuple(WORKLOADS),
     clients: tuple[str, ...] = CLIENTS,
 ) -> list[PeerRow]:
     """Every engine in turn: start, wait ready, every workload x concurrency, stop."""
-    vllm_bin = install("install_vllm.sh")  # the client is vLLM's, so it is needed for every engine
+    # vLLM's client runs against every engine: installed when it is asked for as a client or an engine.
+    vllm_bin = install("install_vllm.sh") if "vllm" in engines or "vllm" in clients else ""
     llama_server = install("install_llama_cpp.sh") if "llama.cpp" in engines else ""
     os.environ.setdefault("TOKENMILL_PEERS_TOKENIZER", hf_dir)
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", VLLM_HOST_IP="127.0.0.1",
@@ -244,6 +269,9 @@ def run_peers(
                     # Written after every run, so an interrupted table keeps what finished.
                     (out_dir / "rows.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
         finally:
+            peak = peak_rss_bytes(proc.pid)
+            print(f"{engine}: peak RSS {peak / 1e6:.0f} MB (largest process of the server)", file=sys.stderr)
+            (out_dir / f"{engine}.peak_rss.json").write_text(json.dumps({"peak_rss_bytes": peak}))
             proc.terminate()
             try:
                 proc.wait(60)

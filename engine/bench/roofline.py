@@ -40,10 +40,19 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
 
 
 def model_shape(model_dir: str) -> dict[str, int]:
-    """Parameter count (from the safetensors headers) and the attention shape (from config.json)."""
+    """Parameter count (from the safetensors headers, or a GGUF's, with the bytes its codes take once
+    loaded: weight_bytes) and the attention shape (from config.json)."""
     from safetensors import safe_open
 
     params = 0
+    extra: dict[str, int] = {}
+    gguf = Path(model_dir) / "model.gguf"  # a GGUF's cache folder (model/gguf_cache.py): the weights as codes
+    if gguf.exists():
+        from tokenmill.engine.gguf_header import read_gguf_header
+        from tokenmill.engine.quant_memory import gguf_weights
+
+        held = gguf_weights(read_gguf_header(gguf).tensors, "bfloat16")
+        params, extra["weight_bytes"] = held.parameters, held.loaded_bytes
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
@@ -60,6 +69,7 @@ def model_shape(model_dir: str) -> dict[str, int]:
         "num_heads": num_heads,
         "num_kv_heads": cfg.get("num_key_value_heads", num_heads),
         "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        **extra,
     }
 
 
@@ -74,7 +84,8 @@ def decode_step_cost(shape: dict[str, int], batch: int, context: float, dtype: s
     flops = 2.0 * shape["params"] * batch
     flops += 4.0 * batch * context * shape["num_heads"] * shape["head_dim"] * shape["num_layers"]
     kv_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], dtype)
-    nbytes = float(shape["params"] * dtype_bytes(dtype) + batch * context * kv_token)
+    weights = shape.get("weight_bytes", shape["params"] * dtype_bytes(dtype))  # codes: quant_memory's count
+    nbytes = float(weights + batch * context * kv_token)
     return flops, nbytes
 
 

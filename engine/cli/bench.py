@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|serve|compare|roofline|structured|output-path|peers|sampler|startup|attention`."""
+"""`tokenmill bench throughput|serve|compare|roofline|structured|lora|output-path|peers|sampler|startup|attention|kv-cache`."""
 
 import argparse
 import asyncio
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.engine.bench.datasets import check_vocab, load_requests, tokenize_requests
+from tokenmill.engine.kv_memory import KV_CACHE_DTYPES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2 (`bench kv-cache` compares them)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own choice, which honours OMP_NUM_THREADS)")
@@ -80,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schema-properties", type=int, default=200, help="size of the large schema compiled")
     p.add_argument("--json", dest="json_out", default=None)
 
+    p = sub.add_parser("lora", help="output tokens/s with the batch spread over LoRA adapters vs the base model alone")
+    _engine_args(p)
+    p.add_argument("--batches", default="8,64", help="batch sizes to measure")
+    p.add_argument("--num-adapters", type=int, default=4, help="random adapters written when --adapters is not given")
+    p.add_argument("--adapters", default=None, help="comma-separated PEFT adapter folders to use instead")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="slot rank; also the random adapters' rank")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens per request")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved base / LoRA runs per batch size (best kept)")
+    p.add_argument("--json", dest="json_out", default=None)
+
     p = sub.add_parser("output-path", help="API-process CPU per token: detokenize, stop strings, SSE framing")
     p.add_argument("--model", default=None, help="model folder or GGUF whose tokenizer to use")
     p.add_argument("--batch", type=int, default=64, help="concurrent requests")
@@ -105,7 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=["scattered", "contiguous"], default="scattered",
                    help="blocks in random order over the pool (a server after churn) or in order (a fresh pool)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best of each kind is kept")
+    p.add_argument("--kv-cache-dtypes", default="bfloat16",
+                   help="comma list: the first runs on normal and huge pages, the others (int8, fp8_e4m3, fp8_e5m2) "
+                   "on huge pages against it")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--json", dest="json_out", default=None)
+
+    p = sub.add_parser("kv-cache", help="8-bit KV caches against the model's dtype: blocks for the same memory, "
+                       "greedy logprob parity, decode step time")
+    _engine_args(p)
+    p.add_argument("--kv-cache-dtypes", default="auto,int8,fp8", help="comma list; the first is the baseline")
+    p.add_argument("--batches", default="8,64", help="decode batch sizes to time")
+    p.add_argument("--prompt-lens", default="128", help="prompt lengths (context) to time, comma list")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is kept")
+    p.add_argument("--parity-tokens", type=int, default=64, help="greedy tokens per parity prompt")
     p.add_argument("--json", dest="json_out", default=None)
 
     p = sub.add_parser("startup", help="time to ready of `tokenmill serve` (/health 200), several starts, with "
@@ -124,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--workloads", default="random,prefix", help="comma list of random, prefix")
     p.add_argument("--clients", default="vllm,tokenmill", help="comma list of vllm, tokenmill (bench serve)")
+    p.add_argument("--gguf", default=None, help="a GGUF file tokenmill and llama.cpp serve (default: the bundled "
+                   "model's; vLLM serves the bundled model's folder)")  # fmt: skip
     return parser
 
 
@@ -147,7 +176,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "enable_prefix_caching": not args.no_prefix_caching,
     }
-    for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return kw
@@ -345,6 +374,29 @@ def cmd_structured(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lora(args: argparse.Namespace) -> int:
+    from tokenmill.engine import LLM
+    from tokenmill.engine.bench.lora import run_lora_bench
+
+    threads = _set_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches must list positive batch sizes, got {args.batches!r}")
+    for name in ("num_adapters", "max_tokens", "prompt_len", "rounds", "max_lora_rank"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    adapters = [Path(p) for p in args.adapters.split(",") if p.strip()] if args.adapters else None
+    num = len(adapters) if adapters else args.num_adapters
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(batches)
+    llm = LLM(**_llm_kwargs(args), enable_lora=True, max_loras=num, max_lora_rank=args.max_lora_rank)
+    report = run_lora_bench(llm, adapters, num, args.max_lora_rank, batches, args.max_tokens, args.prompt_len,
+                            args.rounds)  # fmt: skip
+    report.update({"threads": threads, "dtype": resolved_dtype(llm)})
+    _emit(report, args.json_out)
+    return 0
+
+
 def cmd_output_path(args: argparse.Namespace) -> int:
     from tokenmill.engine.bench.output_path import run_output_path_bench
 
@@ -382,10 +434,45 @@ def cmd_attention(args: argparse.Namespace) -> int:
     for name in ("batch", "context", "layers", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    report = run_attention_bench(args.batch, args.context, args.layers, args.placement, args.rounds)
+    dtypes = tuple(d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip())
+    bad = [d for d in dtypes if d not in ("bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")]
+    if not dtypes or bad:
+        raise ValueError(f"--kv-cache-dtypes takes bfloat16, int8, fp8_e4m3, fp8_e5m2; got {args.kv_cache_dtypes!r}")
+    report = run_attention_bench(args.batch, args.context, args.layers, args.placement, args.rounds, dtypes)
     print(f"{args.placement} blocks, {report['pool_mbytes']} MB pool: normal pages "
           f"{report['normal_pages']['us_per_layer']} us/layer, huge pages {report['huge_pages']['us_per_layer']} "
           f"us/layer, {report['huge_pages_speedup']}x", file=sys.stderr)
+    for d in dtypes[1:]:
+        print(f"{d} cache, huge pages: {report[d]['us_per_layer']} us/layer, "
+              f"{report[d]['speedup_vs_' + dtypes[0]]}x {dtypes[0]}", file=sys.stderr)
+    _emit(report, args.json_out)
+    return 0
+
+
+def cmd_kv_cache(args: argparse.Namespace) -> int:
+    from tokenmill.engine.bench.kv_cache import run_kv_cache_bench
+
+    threads = _set_threads(args.threads)
+    dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in KV_CACHE_DTYPES]
+    if len(dtypes) < 2 or bad:
+        raise ValueError(f"--kv-cache-dtypes takes two or more of {', '.join(KV_CACHE_DTYPES)}; got {args.kv_cache_dtypes!r}")
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    prompt_lens = [int(n) for n in args.prompt_lens.split(",") if n.strip()]
+    if not batches or not prompt_lens or min(batches + prompt_lens) < 1 or args.rounds < 1 or args.parity_tokens < 1:
+        raise ValueError("--batches, --prompt-lens, --rounds and --parity-tokens must be positive")
+    kw = _llm_kwargs(args)
+    kw.pop("kv_cache_dtype")
+    kw.setdefault("max_num_seqs", max(batches))
+    report = run_kv_cache_bench(kw, dtypes, batches, prompt_lens, args.rounds, args.parity_tokens)
+    report["threads"] = threads
+    for d, c in report["capacity"].items():
+        print(f"{d:>9}: {c['kv_blocks']} blocks, {c['kv_bytes_per_token']} bytes/token", file=sys.stderr)
+    for d, p in report["parity"].items():
+        print(f"{d:>9}: {p['identical']}/{p['prompts']} prompts' greedy tokens identical, max |dlogprob| "
+              f"{p['max_abs_logprob_diff']:.4f} over {p['compared_steps']} steps", file=sys.stderr)
+    for row in report["decode_steps"]:
+        print(json.dumps(row), file=sys.stderr)
     _emit(report, args.json_out)
     return 0
 
@@ -418,21 +505,29 @@ def cmd_peers(args: argparse.Namespace) -> int:
     if not clients or any(c not in peers.CLIENTS for c in clients):
         raise ValueError(f"--clients takes a comma list of {', '.join(peers.CLIENTS)}; got {args.clients!r}")
     out = Path(args.out)
-    rows = peers.run_peers(engines, concurrencies, args.num_prompts, out, _model_dir(None),
-                           str(bundled_gguf_path()), port=args.port, workloads=workloads,
-                           clients=clients)  # fmt: skip
+    gguf = Path(args.gguf).resolve() if args.gguf else bundled_gguf_path()
+    if not gguf.is_file():
+        raise ValueError(f"--gguf {args.gguf}: no such file")
+    hf_dir = _model_dir(str(gguf))  # config and tokenizer (vLLM's client reads the tokenizer)
+    if "vllm" in engines:  # vLLM serves a Hugging Face folder: the GGUF's weights dequantized (fp32)
+        from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
+
+        hf_dir = str(dequantized_copy_cached(gguf))
+    rows = peers.run_peers(engines, concurrencies, args.num_prompts, out, hf_dir, str(gguf), port=args.port,
+                           workloads=workloads, clients=clients)  # fmt: skip
     table = peers.ratio_table(rows)
     machine = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     (out / "peers.md").write_text(peers.markdown(table))
-    peers.plot(table, str(out / "peers.png"), f"bundled SmolLM2-135M, {machine}")
+    peers.plot(table, str(out / "peers.png"), f"{gguf.name if args.gguf else 'bundled SmolLM2-135M'}, {machine}")
     print(peers.markdown(table))
     _emit({"table": table}, str(out / "peers.json"))
     return 0
 
 
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
-            "structured": cmd_structured, "output-path": cmd_output_path,
-            "peers": cmd_peers, "sampler": cmd_sampler, "startup": cmd_startup, "attention": cmd_attention}
+            "structured": cmd_structured, "output-path": cmd_output_path, "lora": cmd_lora,
+            "peers": cmd_peers, "sampler": cmd_sampler, "startup": cmd_startup, "attention": cmd_attention,
+            "kv-cache": cmd_kv_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,11 +19,15 @@ import re
 
 from tokenmill.engine.config import (
     DEFAULT_LIVENESS_STALL_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_READINESS_STALL_S,
     DEFAULTS,
     EngineConfig,
+    kv_events_dict,
+    parse_kv_events_config,
 )
 from tokenmill.engine.frontend.generation_config import parse_override
+from tokenmill.engine.kv_memory import KV_CACHE_DTYPES
 from tokenmill.engine.model.bundled import BUNDLED_MODEL
 from tokenmill.engine.model.source import ModelSourceError, parse_model_source
 from tokenmill.engine.server.tools.parser import PARSERS
@@ -117,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="answer 429 when this many admitted requests wait to be scheduled; 0: no limit",
     )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="answer 413 to a request body larger than this, declared or chunked "
+        f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES // 2**20}MiB)",
+    )
     p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULTS.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=_positive_int, default=None)
@@ -127,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", type=parse_bytes, default=None, help="bytes for the KV cache, e.g. 2GiB"
     )
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default=DEFAULTS.kv_cache_dtype,
+        help="KV cache dtype: auto (the model's), int8 or fp8 (= fp8_e4m3) / fp8_e5m2: 8-bit codes with a scale "
+        "per token and head, about half the bytes of bf16 (docs/engine.md, '8-bit KV cache')",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
@@ -212,6 +230,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs"
     )
+    # LoRA adapters (vLLM's flags; docs/serving.md, "LoRA adapters")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) on the base model")
+    p.add_argument("--max-loras", type=_positive_int, default=DEFAULTS.max_loras,
+                   help="adapters one step can run (the slots every rank holds)")  # fmt: skip
+    p.add_argument("--max-lora-rank", type=_positive_int, default=DEFAULTS.max_lora_rank,
+                   help="largest adapter rank served (every slot holds this rank)")  # fmt: skip
+    p.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                   help="adapters kept in host memory, and with requests in flight at once (default: --max-loras)")  # fmt: skip
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help='adapters to serve from the start: NAME=PATH or \'{"name": NAME, "path": PATH}\' (PATH: a folder, '
+        "hf://ORG/NAME[@REV], pvc://CLAIM/PATH or file:///PATH); implies --enable-lora",
+    )
+    p.add_argument(
+        "--lora-modules-file",
+        default=None,
+        help='a JSON list of {"name": NAME, "path": PATH} read before the server is ready and again whenever '
+        "it changes: adapters added, changed and removed without a restart (the operator mounts its ConfigMap "
+        "here); one that fails to load is reported in tokenmill:lora_adapter_info and does not stop the server; "
+        "implies --enable-lora",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv@POD@MODEL\"}' (also replay_endpoint, buffer_steps, "
+        "hwm, max_queue_size): BlockStored / BlockRemoved / AllBlocksCleared over ZeroMQ for KV-aware "
+        "routers such as llm-d's (docs/serving.md)",
+    )
     return p
 
 
@@ -259,9 +314,11 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> argpar
     try:
         source = parse_model_source(args.model, args.revision)
         args.override_generation_config = parse_override(args.override_generation_config)
+        args.kv_events_config = parse_kv_events_config(args.kv_events_config)
     except (ModelSourceError, ValueError) as e:
         parser.error(str(e))
     _resolve_nodes(args, env, parser)
+    _resolve_lora(args, env, parser)
     if args.served_model_name is None:
         args.served_model_name = [source.default_served_name]
     return args
@@ -295,6 +352,29 @@ def _resolve_nodes(args: argparse.Namespace, env: dict[str, str], parser: argpar
         parser.error(f"node rank {args.node_rank} is a worker node: run `tokenmill serve --headless` there")
 
 
+def _resolve_lora(args: argparse.Namespace, env: dict[str, str], parser: argparse.ArgumentParser) -> None:
+    """--lora-modules parsed (and implying --enable-lora); the LoRA limits checked as the engine would."""
+    from tokenmill.engine.config import check_engine_config
+    from tokenmill.engine.server.lora import parse_lora_module, runtime_updates_allowed
+
+    try:
+        args.lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
+    except ValueError as e:
+        parser.error(str(e))
+    names = [m.name for m in args.lora_modules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        parser.error(f"--lora-modules names {', '.join(dup)} more than once")
+    args.enable_lora = args.enable_lora or bool(args.lora_modules) or bool(args.lora_modules_file)
+    args.allow_runtime_lora_updating = runtime_updates_allowed(args.allow_runtime_lora_updating, env)
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        parser.error("--allow-runtime-lora-updating needs --enable-lora")
+    try:
+        check_engine_config(engine_config(args))
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -306,6 +386,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
@@ -314,6 +395,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         nnodes=args.nnodes,
         dist_port=args.dist_port,
         collective_timeout_s=args.collective_timeout,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        kv_events_config=kv_events_dict(args.kv_events_config),
     )
 
 

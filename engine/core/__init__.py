@@ -11,6 +11,7 @@ for them. May import executor/, structured_output/, model/ (config resolution), 
 
 from dataclasses import dataclass, field
 
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class EngineCoreRequest:
     priority: int = 0  # lower value = served first (vLLM's convention)
     # vLLM's field: requests share prefix-cache blocks only with requests that carry the same salt.
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # vLLM's field: the adapter to run under (None: the base model)
 
 
 @dataclass(slots=True)
@@ -53,4 +55,7 @@ class SchedulerStats:
     num_compiling: int = 0  # requests whose grammar is still compiling (outside the scheduler)
     # (request_id, seconds waited) for requests first scheduled this step
     queue_times: list[tuple[str, float]] = field(default_factory=list)
+    # LoRA adapter name -> sequences running / waiting under it (vllm:lora_requests_info's labels)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 

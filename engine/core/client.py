@@ -6,7 +6,8 @@
 - InprocClient: the same busy loop in a background thread of this process (tests, debugging).
 
 Both: `await start() -> EngineInfo` (raises EngineStartupError), `add_request(req)`,
-`abort_requests(ids)`, `await get_output() -> StepOutputs | RejectedRequest` (raises EngineDeadError),
+`abort_requests(ids)`, `call_utility(call_id, method, args)` (answered by a UtilityResult),
+`await get_output() -> StepOutputs | RejectedRequest | UtilityResult` (raises EngineDeadError),
 `shutdown()`, and `pid` (the core's process id, or None in-process).
 """
 
@@ -27,7 +28,18 @@ from typing import Any
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCoreOutput, EngineCoreRequest, SchedulerStats, proc, wire
-from tokenmill.engine.core.wire import ABORT, ADD, FATAL, OUTPUTS, READY, REJECT, SHUTDOWN, STARTUP_ERROR
+from tokenmill.engine.core.wire import (
+    ABORT,
+    ADD,
+    FATAL,
+    OUTPUTS,
+    READY,
+    REJECT,
+    SHUTDOWN,
+    STARTUP_ERROR,
+    UTILITY,
+    UTILITY_RESULT,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +74,13 @@ class RejectedRequest:
     client_error: bool  # True: the request was invalid (400); False: the engine failed on it (500)
 
 
+@dataclass(slots=True)
+class UtilityResult:
+    call_id: int
+    ok: bool
+    value: Any  # the method's result, or the error's message when not ok
+
+
 def _exit_description(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -91,7 +110,7 @@ class _OutputQueue:
             return EngineInfo(msg[1], list(msg[2]))
         raise EngineStartupError(msg[1])
 
-    async def next(self) -> StepOutputs | RejectedRequest:
+    async def next(self) -> StepOutputs | RejectedRequest | UtilityResult:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         msg = await self.queue.get()
@@ -100,6 +119,8 @@ class _OutputQueue:
             return StepOutputs(msg[1], msg[2])
         if kind == REJECT:
             return RejectedRequest(msg[1], msg[2], msg[3])
+        if kind == UTILITY_RESULT:
+            return UtilityResult(msg[1], msg[2], msg[3])
         self.dead = msg[1]
         raise EngineDeadError(self.dead)
 
@@ -133,6 +154,7 @@ class InprocClient:
         out.put_threadsafe((READY, core.capacity, list(core.eos_token_ids)))
         try:
             proc.run_busy_loop(core, self._recv, out.put_threadsafe)
+            core.shutdown()
         except Exception as e:
             logger.error("engine core failed:\n%s", traceback.format_exc())
             out.put_threadsafe((FATAL, f"engine core failed: {type(e).__name__}: {e}"))
@@ -154,7 +176,12 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self._inputs.put((ABORT, list(request_ids)))
 
-    async def get_output(self) -> StepOutputs | RejectedRequest:
+    def call_utility(self, call_id: int, method: str, args: list) -> None:
+        if self._out.dead is not None:
+            raise EngineDeadError(self._out.dead)
+        self._inputs.put((UTILITY, call_id, method, list(args)))
+
+    async def get_output(self) -> StepOutputs | RejectedRequest | UtilityResult:
         return await self._out.next()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -256,7 +283,10 @@ class MPClient:
         except EngineDeadError:
             pass  # a dead core holds nothing to free
 
-    async def get_output(self) -> StepOutputs | RejectedRequest:
+    def call_utility(self, call_id: int, method: str, args: list) -> None:
+        self._send((UTILITY, call_id, method, list(args)))
+
+    async def get_output(self) -> StepOutputs | RejectedRequest | UtilityResult:
         return await self._out.next()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

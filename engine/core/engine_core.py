@@ -9,12 +9,14 @@ import logging
 import time
 
 from tokenmill.engine import kv_memory
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import EngineConfig, parse_kv_events_config
 from tokenmill.engine.core import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.engine.core.capacity import EngineCapacity, StartupTimer
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
+from tokenmill.engine.core.kv_events import make_publisher
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.executor.executor import Executor
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.request import Request
 from tokenmill.engine.structured_output.manager import StructuredOutputManager
 from tokenmill.engine.worker.engine_plan import check_kv_pool, plan_engine
@@ -42,7 +44,11 @@ class EngineCore:
         check_kv_pool(plan, num_blocks)
         self.executor.initialize_cache(num_blocks)
         timer.mark("runner")  # the KV pool (and on CUDA the captured graphs)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_events = parse_kv_events_config(config.kv_events_config)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, enable_kv_cache_events=kv_events is not None
+        )
+        self.kv_events = make_publisher(kv_events, config.block_size)
         self.scheduler = Scheduler(config, self.kv, plan.max_model_len)
         self.structured_outputs = StructuredOutputManager(
             plan.model_path, plan.model_config.vocab_size, self.eos_token_ids
@@ -61,15 +67,23 @@ class EngineCore:
             dtype=plan.dtype,
             device=str(self.executor.device),
             kv_bytes_per_token=plan.kv_bytes_per_token,
+            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype_resolved=plan.kv_cache_dtype,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+            lora_slot_bytes=plan.lora_slot_bytes,
             startup_seconds=dict(timer.phases),
         )
         logger.info(self.capacity.describe())
         logger.info("engine core start-up: %s", self.capacity.describe_startup())
 
     def shutdown(self) -> None:
-        """Stop the other parallel ranks (nothing to do on one rank); also runs at interpreter exit."""
+        """Stop the other parallel ranks (nothing to do on one rank) and the KV-event publisher; also runs
+        at interpreter exit."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -91,6 +105,8 @@ class EngineCore:
             raise ValueError(f"token ids in logit_bias/stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
         if self.scheduler.has_request(req.request_id) or self.structured_outputs.has_request(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         # Choice i of a seeded request draws from seed + i (the sampler makes its generator), so n > 1
         # with a seed gives n different, reproducible samples.
         seqs = [
@@ -103,6 +119,7 @@ class EngineCore:
                 arrival_time=req.arrival_time,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                lora_request=req.lora_request,
                 eos_token_ids=self.eos_token_ids,
             )
             for i in range(p.n)
@@ -112,6 +129,17 @@ class EngineCore:
             self.structured_outputs.submit(seqs)  # enters the scheduler once its grammar is compiled
         else:
             self.scheduler.add_request(seqs[0])
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read an adapter into rank 0's host cache (a hit when it is there): its files and tensors are
+        checked against the model now, so a broken adapter fails its request with the reason (a
+        ValueError: 400), never a step. The other ranks read their shards when a step first names it."""
+        if not self.config.enable_lora:
+            raise ValueError(
+                f"the request names LoRA adapter {lora.lora_name!r}, but this engine serves no adapters; "
+                "start it with --enable-lora"
+            )
+        self.executor.add_lora(lora)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -132,7 +160,24 @@ class EngineCore:
             block_ids = [self.kv.block_ids(r) for r, _ in sched.scheduled]
             tokens, logprobs, sampled = self.executor.execute_model(sched.scheduled, block_ids)
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs, sampled)
+        self._publish_kv_events()
         return outputs, self.scheduler.make_stats(sched, len(self.structured_outputs.pending))
+
+    def _publish_kv_events(self) -> None:
+        """This step's KV-cache events, as one batch (the publisher's thread builds and sends it)."""
+        if self.kv_events is not None:
+            records = self.kv.take_events()
+            if records:
+                self.kv_events.publish(records)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache; an AllBlocksCleared event). Only while no
+        request holds a block: returns False, changing nothing, otherwise."""
+        ok = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        if ok:
+            logger.info("prefix cache reset")
+        return ok
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Move requests whose grammar finished compiling into the scheduler; a failed compile ends the

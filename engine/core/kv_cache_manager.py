@@ -9,6 +9,11 @@ and including the block. A forgeable hash (Python's tuple hash) let a crafted pr
 computed after a different prefix (vLLM's CVE-2025-25183). On top of the digest, every hit is verified
 against what the block recorded when it was cached (parent key, tokens, extra keys): a collision can
 cost a hit, never change output.
+
+KV-cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, published by kv_events.py): with
+`events` on, the manager records what it already decides (a run of blocks entering the cache, a block
+leaving it, a reset) as one small tuple each; the publisher takes them once per step and does the
+per-block work (hashes, tokens, extra keys) and the encoding on its own thread.
 """
 
 import hashlib
@@ -22,17 +27,49 @@ from tokenmill.engine.request import Request
 # The parent of a first block. Any fixed 32 bytes would do; SHA-256 of a label documents what it is.
 ROOT_HASH = hashlib.sha256(b"tokenmill prefix cache root").digest()
 
+# What a block's key covers beside its tokens and parent, as fixed slots (None: empty), or None when every
+# slot is empty (the common case): (cache salt, LoRA adapter id).
+ExtraKeys = tuple[str | None, int | None] | None
 # (parent key, the block's tokens, extra keys): what a cached block holds, checked on every hit.
-BlockIdentity = tuple[bytes, tuple[int, ...], bytes]
+BlockIdentity = tuple[bytes, tuple[int, ...], ExtraKeys]
+
+# KV-cache event records (kv_events.py turns them into vLLM's events):
+#   (STORED, request, first block index, end block index): blocks [first, end) of request's chain entered
+#       the cache, in order; their hashes are request.block_hashes[first:end] (which only ever grows)
+#   (REMOVED, block hash): the block left the cache (evicted for reuse)
+#   (CLEARED,): every block left the cache (reset_prefix_cache)
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 
 
-def extra_keys(req: Request, block_index: int) -> bytes:
-    """Extra keys mixed into a block's hash: the cache salt, in the first block only (later blocks inherit
-    it through the chain). Length-prefixed, so no salt can run into the token bytes."""
-    if block_index != 0 or req.cache_salt is None:
+# Starts the LoRA field of a block's extra keys: no salt field can start so (its first 4 bytes are its
+# length, and a 4 GiB salt is refused long before it reaches the hash).
+_LORA_TAG = b"\xff\xff\xff\xff"
+
+
+def extra_keys(req: Request, block_index: int) -> ExtraKeys:
+    """The one place a block's extra keys are chosen: its hash covers them (encode_extra_keys) and its
+    BlockStored event carries them (kv_events.py). Slots (cache salt, LoRA adapter id), in the first block
+    only (later blocks inherit them through the chain). The adapter is keyed by its id, which is new for
+    every load (lora_request.py): a prefix computed under one adapter is never served to another, nor to
+    the base model, nor to a reload of the same name."""
+    if block_index != 0 or (req.cache_salt is None and req.lora_request is None):
+        return None
+    return (req.cache_salt, None if req.lora_request is None else req.lora_request.lora_int_id)
+
+
+def encode_extra_keys(keys: ExtraKeys) -> bytes:
+    """The bytes a block's hash covers for its extra keys: the salt length-prefixed, so it cannot run into
+    the token bytes; the adapter id after a tag no salt can start with."""
+    if keys is None:
         return b""
-    salt = req.cache_salt.encode("utf-8")
-    return len(salt).to_bytes(4, "little") + salt
+    salt, lora_int_id = keys
+    out = b""
+    if salt is not None:
+        raw = salt.encode("utf-8")
+        out = len(raw).to_bytes(4, "little") + raw
+    if lora_int_id is not None:
+        out += _LORA_TAG + lora_int_id.to_bytes(8, "little")
+    return out
 
 
 _PACKERS: dict[int, struct.Struct] = {}  # block length -> compiled little-endian int64 packer
@@ -56,7 +93,9 @@ class KVCacheBlock:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, enable_kv_cache_events: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
@@ -70,6 +109,8 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         # Per sequence: how many of its blocks have been registered in the cache (or found already there).
         self.req_num_cached: dict[str, int] = {}
+        # KV-cache event records since the last take_events(); None: events off (nothing recorded).
+        self.events: list[tuple] | None = [] if enable_kv_cache_events and enable_prefix_caching else None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -96,7 +137,8 @@ class KVCacheManager:
         tokens = req.token_ids
         parent = hashes[-1] if hashes else ROOT_HASH
         for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]), extra_keys(req, i))
+            extra = encode_extra_keys(extra_keys(req, i))
+            parent = hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]), extra)
             hashes.append(parent)
         return hashes
 
@@ -138,6 +180,8 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(req, num_full)
         tokens = req.token_ids
+        events = self.events
+        run_start = start  # the run of blocks this call caches, for its event
         for i in range(start, num_full):
             h = hashes[i]
             block = self.blocks[blocks[i]]
@@ -146,7 +190,36 @@ class KVCacheManager:
                 parent = hashes[i - 1] if i else ROOT_HASH
                 block.identity = (parent, tuple(tokens[i * bs : (i + 1) * bs]), extra_keys(req, i))
                 self.cached[h] = block.block_id
+            elif events is not None:  # already cached (a hit, a shared prefix): not stored again
+                if run_start < i:
+                    events.append((STORED, req, run_start, i))
+                run_start = i + 1
+        if events is not None and run_start < num_full:
+            events.append((STORED, req, run_start, num_full))
         self.req_num_cached[req.key] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's reset_prefix_cache: only while no sequence holds a block
+        (a running sequence's blocks stay valid for it, and keys chained onto forgotten ones would name
+        parents a subscriber no longer has). Returns whether the cache was reset."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self.cached.values():
+            block = self.blocks[block_id]
+            block.block_hash = None
+            block.identity = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append((CLEARED,))
+        return True
+
+    def take_events(self) -> list[tuple]:
+        """The event records since the last call (once per step); empty when events are off."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
@@ -209,6 +282,8 @@ class KVCacheManager:
             # Evict from the prefix cache: its contents are about to be overwritten.
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append((REMOVED, block.block_hash))
             block.block_hash = None
             block.identity = None
         block.ref_cnt = 1

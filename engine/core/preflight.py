@@ -10,6 +10,8 @@ Exit 0 with one summary line, or 2 with one line naming the problem.
 import sys
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kv_memory import DTYPE_BYTES
+from tokenmill.engine.quant_memory import FLOAT_GGUF
 
 
 def preflight(config: EngineConfig, revision: str | None = None) -> str:
@@ -27,10 +29,18 @@ def preflight(config: EngineConfig, revision: str | None = None) -> str:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if tp * pp > 1:
         pool += f" per rank, tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+    w = plan.weights
+    quantized = sorted(t for t in w.types if t not in FLOAT_GGUF and t not in DTYPE_BYTES)
+    held = f", weights {w.loaded_bytes / 1e9:.2f} GB as held ({w.bytes_per_weight:.3f} bytes per weight" + (
+        f", {w.format} {'/'.join(quantized)})" if quantized else ")"
+    )
     return (
         f"ok: {source.display} ({mc.architecture}, {mc.num_hidden_layers} layers, {mc.num_attention_heads} "
         f"heads / {mc.num_key_value_heads} KV heads), {plan.dtype} on {plan.device_type}, max_model_len "
-        f"{plan.max_model_len}, {pool}"
+        f"{plan.max_model_len}, {pool}, KV cache {plan.kv_cache_dtype} ({plan.kv_bytes_per_token} bytes/token)"
+        + (f", LoRA {config.max_loras} slots of rank {config.max_lora_rank}: {plan.lora_slot_bytes} bytes per rank "
+           "(lora_memory.lora_slot_bytes, the operator's number)" if config.enable_lora else "")
+        + held
     )
 
 

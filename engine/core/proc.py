@@ -31,6 +31,9 @@ from tokenmill.engine.core.wire import (
     REJECT,
     SHUTDOWN,
     STARTUP_ERROR,
+    UTILITY,
+    UTILITY_METHODS,
+    UTILITY_RESULT,
     decode,
     encode,
 )
@@ -71,6 +74,17 @@ def _add(core: Any, req: EngineCoreRequest, send: Callable[[tuple], None]) -> No
         send((REJECT, req.request_id, f"{type(e).__name__}: {e}", False))
 
 
+def _utility(core: Any, call_id: int, method: str, args: list, send: Callable[[tuple], None]) -> None:
+    if method not in UTILITY_METHODS:
+        send((UTILITY_RESULT, call_id, False, f"unknown engine core method {method!r}"))
+        return
+    try:
+        send((UTILITY_RESULT, call_id, True, getattr(core, method)(*args)))
+    except Exception as e:
+        logger.exception("engine core method %s failed", method)
+        send((UTILITY_RESULT, call_id, False, f"{type(e).__name__}: {e}"))
+
+
 def run_busy_loop(
     core: Any,
     recv: Callable[[float], list[tuple]],
@@ -98,6 +112,8 @@ def run_busy_loop(
             elif kind == ABORT:
                 core.abort_requests(msg[1])
                 aborted = True
+            elif kind == UTILITY:
+                _utility(core, msg[1], msg[2], msg[3], send)
         if core.has_unfinished_requests():
             outputs, stats = core.step()
             send((OUTPUTS, outputs, stats))
@@ -163,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             socket_dir = os.path.dirname(args.input_addr.removeprefix("ipc://"))
             orphaned = run_busy_loop(core, _zmq_recv(inp), send, parent_alive) == "orphaned"
+            core.shutdown()  # the last KV events go out; the other ranks stop
             if orphaned and os.path.basename(socket_dir).startswith("tokenmill-ipc-"):
                 shutil.rmtree(socket_dir, ignore_errors=True)  # the dead parent cannot remove it any more
         except Exception as e:

@@ -5,6 +5,12 @@ It and the KVCacheManager are the only owners of the request lists and the block
 Running sequences first (a decode token each, or their next prefill chunk), then waiting ones.
 Recompute preemption when blocks run out; nobody new is admitted in a step that preempted.
 
+LoRA: a step never runs more distinct adapters than there are slots (max_loras): every running sequence's
+adapter holds a slot, so a waiting sequence whose adapter is not running is admitted only while fewer than
+max_loras adapters run. One that cannot get a slot waits, and so does every later (queue-order) sequence
+of any adapter, even one that is running: otherwise a stream of requests for the running adapters could
+keep their slots forever and starve it. Base-model sequences need no slot and are admitted past it.
+
 Only one kind of waiting sequence holds blocks: an n > 1 choice forked from its parent's prompt and not
 yet run (_fork_children). When the head of the queue cannot get its blocks, those are
 taken back (recompute preemption while waiting), or the head could wait forever on sequences queued
@@ -53,6 +59,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_loras = config.max_loras if config.enable_lora else 0
         self.kv = kv
         self.waiting: list[Request] = []  # a heap ordered by (priority, arrival, seq_no)
         self.running: list[Request] = []
@@ -143,8 +150,15 @@ class Scheduler:
 
         if out.num_preemptions == 0:
             now = time.monotonic()
+            running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+            held_back: list[Request] = []  # adapter sequences that wait for a slot, back into the queue below
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                lora = req.lora_request
+                if lora is not None and (held_back or (lora.lora_int_id not in running_loras
+                                                       and len(running_loras) >= self.max_loras)):  # fmt: skip
+                    held_back.append(heapq.heappop(self.waiting))
+                    continue
                 first_time = req.num_computed_tokens == 0
                 hits = self.kv.get_computed_blocks(req) if first_time else []
                 num_cached = len(hits) * self.kv.block_size
@@ -169,6 +183,10 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append((req, num_new))
                 budget -= num_new
+                if lora is not None:
+                    running_loras.add(lora.lora_int_id)
+            for req in held_back:
+                heapq.heappush(self.waiting, req)
 
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
@@ -218,6 +236,8 @@ class Scheduler:
             num_scheduled_tokens=out.num_scheduled_tokens,
             num_compiling=num_compiling,
             queue_times=out.queue_times,
+            running_lora_adapters=_count_adapters(self.running) if self.max_loras else {},
+            waiting_lora_adapters=_count_adapters(self.waiting) if self.max_loras else {},
         )
 
     def _fork_children(self, parent: Request) -> None:
@@ -283,3 +303,11 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         heapq.heappush(self.waiting, req)
+
+
+def _count_adapters(seqs: list[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in seqs:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts

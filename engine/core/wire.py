@@ -10,12 +10,17 @@ from typing import Any
 
 import msgpack
 from tokenmill.engine.core import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.sampling_params import SamplingParams
 
-# API process -> core
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
-# core -> API process
+# API process -> core. UTILITY: (UTILITY, call id, method, args), a call of one of EngineCore's
+# UTILITY_METHODS between steps (vLLM's utility requests), answered by one UTILITY_RESULT.
+ADD, ABORT, SHUTDOWN, UTILITY = "add", "abort", "shutdown", "utility"
+# core -> API process. UTILITY_RESULT: (UTILITY_RESULT, call id, ok, the method's result or the error).
 READY, STARTUP_ERROR, OUTPUTS, REJECT, FATAL = "ready", "startup_error", "outputs", "reject", "fatal"
+UTILITY_RESULT = "utility_result"
+# The EngineCore methods a UTILITY message may call (plain arguments and results: they cross as msgpack).
+UTILITY_METHODS = frozenset({"reset_prefix_cache"})
 
 
 _OUTPUT_FIELDS = [f.name for f in dataclasses.fields(EngineCoreOutput)]
@@ -24,6 +29,10 @@ _OUTPUT_FIELDS = [f.name for f in dataclasses.fields(EngineCoreOutput)]
 
 _STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
 
+
+
+def _lora_fields(lora: LoRARequest) -> tuple[str, int, str]:
+    return (lora.lora_name, lora.lora_int_id, lora.lora_path)
 
 
 # ---- wire format ---------------------------------------------------------------------------------
@@ -38,6 +47,7 @@ def encode(msg: tuple) -> bytes:
             r.arrival_time,
             r.priority,
             r.cache_salt,
+            None if r.lora_request is None else list(_lora_fields(r.lora_request)),
         ]
         return msgpack.packb([ADD, body])
     if kind == OUTPUTS:
@@ -54,8 +64,9 @@ def decode(buf: bytes) -> tuple:
     msg = msgpack.unpackb(buf, strict_map_key=False)
     kind = msg[0]
     if kind == ADD:
-        rid, ids, params, arrival, priority, salt = msg[1]
-        return (ADD, EngineCoreRequest(rid, ids, SamplingParams.from_dict(params), arrival, priority, salt))
+        rid, ids, params, arrival, priority, salt, lora = msg[1]
+        lora_request = None if lora is None else LoRARequest(*lora)
+        return (ADD, EngineCoreRequest(rid, ids, SamplingParams.from_dict(params), arrival, priority, salt, lora_request))
     if kind == OUTPUTS:
         outputs = [EngineCoreOutput(*fields) for fields in msg[1]]
         for o in outputs:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from tokenmill.engine.distributed.parallel_state import SINGLE
 from tokenmill.engine.executor.multiproc import LeaderGroup, start_leader
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.worker.engine_plan import EnginePlan
@@ -35,8 +36,9 @@ class Executor:
                 device = torch.device("cuda:0")
                 torch.cuda.set_device(device)
             step_bytes = 8 * max_packed_len(
-                config.max_num_seqs, config.max_num_batched_tokens, plan.max_model_len, config.block_size
-            )
+                config.max_num_seqs, config.max_num_batched_tokens, plan.max_model_len, config.block_size,
+                config.max_loras if config.enable_lora else 0,
+            )  # fmt: skip
             self.group = start_leader(config, device, step_bytes)
             par = self.group.par
             mark("ranks")
@@ -50,6 +52,10 @@ class Executor:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Rank 0 reads the adapter now; the other ranks read their shards when a step first names it."""
+        self.worker.add_lora(lora)
 
     def execute_model(
         self, scheduled: list[tuple[Request, int]], block_ids: list[list[int]]

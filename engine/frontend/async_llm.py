@@ -18,6 +18,7 @@ deadlock) is as stalled as a frozen one. That costs nothing per step: the messag
 
 import asyncio
 import copy
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -25,9 +26,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.core import EngineCoreRequest
-from tokenmill.engine.core.client import EngineDeadError, EngineInfo, RejectedRequest, StepOutputs
+from tokenmill.engine.core.client import (
+    EngineDeadError,
+    EngineInfo,
+    RejectedRequest,
+    StepOutputs,
+    UtilityResult,
+)
 from tokenmill.engine.frontend.output_processor import OutputProcessor, merge_delta
 from tokenmill.engine.frontend.tokenizer_pool import TokenizerPool
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -39,6 +47,14 @@ class QueueFullError(Exception):
         super().__init__(
             f"the server is overloaded: {num_waiting} requests are already waiting "
             f"(--max-waiting-requests {limit}); retry later"
+        )
+
+
+class LoRAPoolFullError(Exception):
+    def __init__(self, name: str, in_use: list[str], limit: int) -> None:
+        super().__init__(
+            f"LoRA adapter {name!r} cannot be served now: the {limit} adapters the engine keeps in memory "
+            f"(--max-cpu-loras {limit}) all have requests in flight ({', '.join(sorted(in_use))}); retry later"
         )
 
 
@@ -73,6 +89,7 @@ class AsyncLLM:
         info: EngineInfo,
         *,
         max_waiting_requests: int | None = None,
+        max_cpu_loras: int = 0,
         metrics: Any = None,
         on_dead: Callable[[EngineDeadError], None] | None = None,
     ) -> None:
@@ -81,6 +98,12 @@ class AsyncLLM:
         self.info = info
         self.max_model_len: int = info.capacity.max_model_len
         self.max_waiting_requests = max_waiting_requests
+        # LoRA: adapter name -> admitted requests under it. At most max_cpu_loras adapters have requests
+        # in flight, so every rank's host cache holds all of them (no adapter is read from disk again
+        # while its requests wait); a request for one more is refused (LoRAPoolFullError).
+        self.max_cpu_loras = max_cpu_loras
+        self._lora_in_flight: dict[str, int] = {}
+        self._lora_of: dict[str, str] = {}  # request id -> adapter name
         self.metrics = metrics
         self.on_dead = on_dead
         # The detokenizer gets its own copy: the tokenizer thread and the event loop never share one.
@@ -95,6 +118,8 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         # When the core last showed progress: a step's outputs arrived, or it was handed work while idle.
         self._last_progress = time.monotonic()
+        self._utility_calls: dict[int, asyncio.Future] = {}  # call id -> its answer (call_utility)
+        self._call_ids = itertools.count()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -128,13 +153,20 @@ class AsyncLLM:
         return len(self._states)
 
     # ---- admission -----------------------------------------------------------------------------
-    def admit(self, request_ids: list[str]) -> None:
-        """Count requests as waiting before any work is done for them; raise QueueFullError if full."""
+    def admit(self, request_ids: list[str], lora: LoRARequest | None = None) -> None:
+        """Count requests as waiting before any work is done for them; raise QueueFullError if full, or
+        LoRAPoolFullError when their adapter would be one more than the host cache holds."""
         if self.dead_error is not None:
             raise self.dead_error
         limit = self.max_waiting_requests
         if limit is not None and len(self._unscheduled) >= limit:
             raise QueueFullError(len(self._unscheduled), limit)
+        if lora is not None:
+            name = lora.lora_name
+            if name not in self._lora_in_flight and len(self._lora_in_flight) >= self.max_cpu_loras:
+                raise LoRAPoolFullError(name, list(self._lora_in_flight), self.max_cpu_loras)
+            self._lora_in_flight[name] = self._lora_in_flight.get(name, 0) + len(request_ids)
+            self._lora_of.update((rid, name) for rid in request_ids)
         self._unscheduled.update(request_ids)
         self._preprocessing.update(request_ids)
         self._in_flight.update(request_ids)
@@ -145,6 +177,11 @@ class AsyncLLM:
             self._unscheduled.discard(rid)
             self._preprocessing.discard(rid)
             self._in_flight.discard(rid)
+            name = self._lora_of.pop(rid, None)
+            if name is not None:
+                self._lora_in_flight[name] -= 1
+                if not self._lora_in_flight[name]:
+                    del self._lora_in_flight[name]
 
     # ---- tokenization (TokenizerPool's worker thread) -----------------------------------------
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -172,6 +209,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """RequestOutputs of one admitted request (cumulative, deltas or only the final one, per
         output_kind), the last with finished=True. Closing or cancelling the generator early aborts
@@ -197,7 +235,8 @@ class AsyncLLM:
             self._preprocessing.discard(request_id)
             self.client.add_request(
                 EngineCoreRequest(
-                    request_id, list(prompt_token_ids), params, state.arrival_time, priority, cache_salt
+                    request_id, list(prompt_token_ids), params, state.arrival_time, priority, cache_salt,
+                    lora_request,
                 )
             )
             while True:
@@ -249,6 +288,25 @@ class AsyncLLM:
             self.client.abort_requests(ids)
         return len(ids)
 
+    # ---- calls into the core --------------------------------------------------------------------
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run one of the engine core's utility methods (core/wire.py's UTILITY_METHODS) between two of
+        its steps; its result, or RuntimeError with the core's message."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        try:
+            self.client.call_utility(call_id, method, list(args))
+            return await future
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (nothing changed) while requests hold blocks."""
+        return bool(await self.call_utility("reset_prefix_cache"))
+
     # ---- the output loop -----------------------------------------------------------------------
     async def _output_loop(self) -> None:
         try:
@@ -256,6 +314,8 @@ class AsyncLLM:
                 item = await self.client.get_output()
                 if isinstance(item, RejectedRequest):
                     self._reject(item)
+                elif isinstance(item, UtilityResult):
+                    self._utility_done(item)
                 else:
                     self._process_step(item)
         except asyncio.CancelledError:
@@ -265,6 +325,15 @@ class AsyncLLM:
         except Exception as e:
             logger.exception("processing engine outputs failed")
             self._fail_all(EngineDeadError(f"processing engine outputs failed: {type(e).__name__}: {e}"))
+
+    def _utility_done(self, item: UtilityResult) -> None:
+        future = self._utility_calls.get(item.call_id)
+        if future is None or future.done():  # its caller went away
+            return
+        if item.ok:
+            future.set_result(item.value)
+        else:
+            future.set_exception(RuntimeError(item.value))
 
     def _reject(self, item: RejectedRequest) -> None:
         state = self._states.pop(item.request_id, None)
@@ -326,5 +395,8 @@ class AsyncLLM:
             state.queue.put_nowait(err)
             self.processor.abort_request(rid)
         self._states.clear()
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(err)
         if self.on_dead is not None:
             self.on_dead(err)

@@ -19,6 +19,8 @@ import logging
 import pathlib
 from typing import Any
 
+from tokenmill.engine.config import parse_json_object
+
 logger = logging.getLogger(__name__)
 
 # HF generation_config.json key -> SamplingParams field (vLLM's list).
@@ -60,12 +62,7 @@ def parse_override(text: str | None) -> dict[str, Any]:
     """--override-generation-config: a JSON object of generation-config keys."""
     if not text:
         return {}
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--override-generation-config is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--override-generation-config must be a JSON object, got {type(data).__name__}")
+    data = parse_json_object(text, "--override-generation-config")
     unknown = sorted(set(data) - set(GENERATION_KEYS))
     if unknown:
         raise ValueError(

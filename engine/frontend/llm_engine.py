@@ -8,6 +8,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCoreRequest
 from tokenmill.engine.core.engine_core import EngineCore
 from tokenmill.engine.frontend.output_processor import OutputProcessor
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.model.tokenizer import load_tokenizer
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
@@ -39,13 +40,16 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         if params.structured_outputs is not None:
             # Offline: compile here so a bad spec raises ValueError now (cached for the engine's matcher).
             self.core.structured_outputs.compile(params.structured_outputs)
         rid = request_id if request_id is not None else str(next(self._ids))
         now = time.monotonic()
-        self.core.add_request(EngineCoreRequest(rid, prompt_token_ids, params, now, priority, cache_salt))
+        self.core.add_request(
+            EngineCoreRequest(rid, prompt_token_ids, params, now, priority, cache_salt, lora_request)
+        )
         self.processor.add_request(rid, prompt, prompt_token_ids, params, now)
         return rid
 

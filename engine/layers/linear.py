@@ -172,6 +172,8 @@ class Linear(nn.Linear):
     def prepack(self) -> None:
         """oneDNN's bf16 layout. A weight that also has integer codes (attach_codes) runs single rows
         from them, so its unpacked bf16 copy, which only single rows read, is dropped."""
+        if self.weight is None:  # loaded as codes (model/gguf_weights.py): they run every batch
+            return
         self.packed = prepack_weight(self.weight)
         if self.packed_cpu is not None:
             self.weight = None
@@ -207,6 +209,8 @@ class Linear(nn.Linear):
         codes and its [out, in] fp32 copy is dropped (unless keep_fp32); an fp32-panel weight keeps it,
         for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM. Whether the
         fp32 weight was dropped."""
+        if self.weight is None:  # loaded as codes (model/gguf_weights.py, int4_weights.py)
+            return True
         self.packed_cpu = pack_cpu_weight(self.weight, blocks, cache=cache)
         if self.packed_cpu.codes is not None and not keep_fp32:
             self.weight = None
@@ -218,10 +222,10 @@ class Linear(nn.Linear):
         if packed_cpu is not None:
             rows = x.numel() // x.shape[-1]
             if x.dtype == torch.bfloat16:
-                if packed_cpu.dense is not None:
+                if getattr(packed_cpu, "dense", None) is not None:  # dense bf16 panels
                     if rows <= dense_bf16_max_rows() or self.packed is None:
                         return packed_cpu.linear(x, self.bias_fp32)
-                elif rows <= bf16_codes_max_rows():
+                elif rows <= bf16_codes_max_rows() or (self.packed is None and self.weight is None):
                     return packed_cpu.linear(x, self.bias_fp32)
             elif self.weight is None or rows <= CPU_PACKED_MAX_ROWS:  # fp32
                 return packed_cpu.linear(x, self.bias)

@@ -1,5 +1,11 @@
 """GGUF files converted once into Hugging Face folders under the cache, keyed by the file's content (its
-sha256) and the converter's version; a crash never leaves a half folder (temp dir + rename)."""
+sha256) and the converter's version; a crash never leaves a half folder (temp dir + rename).
+
+The folder holds config.json, the tokenizer and `model.gguf`, a link to the file itself: the engine
+loads the weights from the file's blocks (model/gguf_weights.py), so the cache costs kilobytes, not 4
+bytes per parameter. The same content under another path (another venv) relinks the folder to the file
+that asked. dequantized_copy_cached writes the fp32 safetensors copy parity tests compare against.
+"""
 
 import hashlib
 import os
@@ -10,20 +16,32 @@ import time
 
 from tokenmill.engine.model.cache_dirs import cache_root, tokenmill_cache
 
-# Bump when the converter's output changes, so stale caches are not reused.
-CONVERTER_VERSION = 2
+# Bump when the converter's output changes, so stale caches are not reused (3: weights linked, not copied).
+CONVERTER_VERSION = 3
+# The fp32 reference copy (dequantized_copy_cached): its own key, unchanged since version 2.
+DEQUANTIZED_VERSION = "fp32-2"
+WEIGHTS_LINK = "model.gguf"  # gguf_weights.WEIGHTS_LINK (that module imports torch)
 _STALE_TMP_SECONDS = 3600  # a conversion takes seconds to minutes; older temp dirs are from a crash
 # A remembered digest is trusted only for a file whose inode changed (st_ctime) this long before the digest
 # was taken: file times tick coarsely (a few ms) and may come from another clock (a network filesystem).
 _RACY_NS = 2_000_000_000
 
 
-def gguf_cache_dir(gguf_path: pathlib.Path) -> pathlib.Path:
+def gguf_cache_dir(gguf_path: pathlib.Path, version: object = CONVERTER_VERSION) -> pathlib.Path:
     """Where the converted form of gguf_path lives, keyed by the file's content and CONVERTER_VERSION (the
     converter's output format): the same GGUF installed in another venv or checkout (another path and
-    mtime) reuses the conversion; a changed file or format gets a folder of its own."""
-    key = f"{CONVERTER_VERSION}:{file_digest(gguf_path)}"
+    mtime) reuses the conversion (relinked to the file that asks); a changed file or format gets a folder
+    of its own."""
+    key = f"{version}:{file_digest(gguf_path)}"
     return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def link_ok(folder: pathlib.Path, gguf_path: pathlib.Path) -> bool:
+    """Whether the folder's weights link points at gguf_path."""
+    try:
+        return os.readlink(folder / WEIGHTS_LINK) == str(gguf_path.resolve())
+    except OSError:
+        return False
 
 
 def file_digest(path: pathlib.Path) -> str:
@@ -73,11 +91,35 @@ def _remove_stale_tmp(root: pathlib.Path) -> None:
 
 
 def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
-    """Convert once into the cache (temp dir + rename, so a crash never leaves a half folder); reuse after."""
+    """The GGUF's folder (config, tokenizer, a link to the file), converted once into the cache."""
     gguf_path = pathlib.Path(gguf_path)
+    final = _convert_once(gguf_path, CONVERTER_VERSION, weights=False)
+    if not link_ok(final, gguf_path):
+        _relink(final, gguf_path)
+    return final
+
+
+def _relink(folder: pathlib.Path, gguf_path: pathlib.Path) -> None:
+    """Point the folder's link at gguf_path, atomically (a reader sees the old link or the new one; both
+    name files of the same content, as the folder's key is the content)."""
+    tmp = folder / f".{WEIGHTS_LINK}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(gguf_path.resolve(), tmp)
+    os.replace(tmp, folder / WEIGHTS_LINK)
+
+
+def dequantized_copy_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
+    """A Hugging Face folder of the GGUF's weights dequantized to fp32 safetensors (with config and
+    tokenizer), written once into the cache: the reference parity tests load with transformers and with
+    the engine's safetensors loader. 4 bytes per parameter."""
+    return _convert_once(pathlib.Path(gguf_path), DEQUANTIZED_VERSION, weights=True)
+
+
+def _convert_once(gguf_path: pathlib.Path, version: object, weights: bool) -> pathlib.Path:
+    """Convert once into the cache (temp dir + rename, so a crash never leaves a half folder); reuse after."""
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    final = gguf_cache_dir(gguf_path)
+    final = gguf_cache_dir(gguf_path, version)
     if (final / "config.json").is_file():
         return final
     from tokenmill.engine.model.gguf_convert import convert_gguf  # imports torch: only on a cache miss
@@ -86,7 +128,9 @@ def convert_gguf_cached(gguf_path: str | pathlib.Path) -> pathlib.Path:
     _remove_stale_tmp(final.parent)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp, weights=weights)
+        if not weights:
+            os.symlink(gguf_path.resolve(), tmp / WEIGHTS_LINK)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -1,11 +1,12 @@
-"""Convert a GGUF file (llama.cpp's format) into a Hugging Face folder the loader reads.
+"""A GGUF file (llama.cpp's format) as a Hugging Face folder: config.json from the GGUF metadata, the
+tokenizer and chat template from its tokenizer metadata (converted by transformers, tokenizer only).
 
-Weights are dequantized with the `gguf` package and stored as fp32 safetensors: that keeps every value
-exactly as gguf dequantizes it (bf16 would round again), so fp32 parity tests see the GGUF model itself.
-Loading at bf16 rounds once, at load. The price is disk: 4 bytes per parameter in the cache.
+The engine loads the weights from the GGUF's own blocks (gguf_weights.py; the cache folder links to the
+file: gguf_cache.py). convert_gguf(..., weights=True) also writes them dequantized with the `gguf` package
+to fp32 safetensors, every value exactly as gguf dequantizes it: the reference that parity tests load
+with transformers and with the engine (4 bytes per parameter on disk; tests only).
 llama.cpp's converter reorders the Q and K rows of Llama-architecture models for its interleaved RoPE;
-this module undoes that. Config comes from the GGUF metadata; tokenizer and chat template from the
-GGUF's tokenizer metadata, converted by transformers (tokenizer only).
+unpermute_qk undoes that (on values here, on rows of blocks in gguf_weights.py).
 """
 
 import json
@@ -138,7 +139,8 @@ def gguf_config(path: pathlib.Path, reader: Any) -> dict[str, Any]:
     return config
 
 
-def _hf_name(path: pathlib.Path, gguf_name: str) -> str:
+def hf_tensor_name(path: pathlib.Path, gguf_name: str) -> str:
+    """The Hugging Face name of GGUF tensor gguf_name (llama.cpp's names)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
@@ -181,7 +183,7 @@ def convert_weights(path: pathlib.Path, reader: Any, config: dict[str, Any], out
         shard_bytes = 0
 
     for tensor in reader.tensors:
-        name = _hf_name(path, tensor.name)
+        name = hf_tensor_name(path, tensor.name)
         w = _dequantize(path, tensor)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if name.endswith("q_proj.weight") else config["num_key_value_heads"]
@@ -247,8 +249,27 @@ def convert_tokenizer(path: pathlib.Path, reader: Any, config: dict[str, Any], o
         )
 
 
-def convert_gguf(path: str | pathlib.Path, out_dir: str | pathlib.Path) -> None:
-    """Write config.json, generation_config.json, safetensors and tokenizer files for `path` into out_dir."""
+def check_tensors(path: pathlib.Path) -> None:
+    """Every tensor named as a supported model's, of a type the loader reads, inside the file (header only)."""
+    from tokenmill.engine.gguf_header import read_gguf_header
+    from tokenmill.engine.quant_memory import SUPPORTED_GGUF
+
+    try:
+        header = read_gguf_header(path)
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
+    for t in header.tensors:
+        hf_tensor_name(path, t.name)
+        if t.type_name not in SUPPORTED_GGUF:
+            raise GGUFError(
+                f"{path}: tensor {t.name} uses quantization {t.type_name}; supported: {', '.join(sorted(SUPPORTED_GGUF))}"
+            )
+
+
+def convert_gguf(path: str | pathlib.Path, out_dir: str | pathlib.Path, weights: bool = True) -> None:
+    """Write config.json, generation_config.json and tokenizer files for `path` into out_dir, and with
+    `weights` its tensors dequantized to fp32 safetensors (the reference copy parity tests compare
+    against; the engine itself loads the GGUF's blocks: gguf_weights.py)."""
     from gguf import GGUFReader
 
     path = pathlib.Path(path)
@@ -260,12 +281,14 @@ def convert_gguf(path: str | pathlib.Path, out_dir: str | pathlib.Path) -> None:
     except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError on damaged files
         raise GGUFError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     config = gguf_config(path, reader)
-    try:
-        convert_weights(path, reader, config, out_dir)
-    except GGUFError:
-        raise
-    except (ValueError, IndexError, TypeError) as e:  # truncated tensor data surfaces here
-        raise GGUFError(f"{path}: tensor data is damaged or truncated: {type(e).__name__}: {e}") from None
+    check_tensors(path)
+    if weights:
+        try:
+            convert_weights(path, reader, config, out_dir)
+        except GGUFError:
+            raise
+        except (ValueError, IndexError, TypeError) as e:  # truncated tensor data surfaces here
+            raise GGUFError(f"{path}: tensor data is damaged or truncated: {type(e).__name__}: {e}") from None
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -35,8 +35,11 @@ def hub_settings() -> HubSettings:
 
 
 
-def download_hf(source: ModelSource, *, config_only: bool = False, progress: bool = False) -> pathlib.Path:
-    """The snapshot folder of `source` in the hub cache, downloading what is missing (see module doc)."""
+def download_hf(
+    source: ModelSource, *, config_only: bool = False, progress: bool = False, allow_patterns: list[str] | None = None
+) -> pathlib.Path:
+    """The snapshot folder of `source` in the hub cache, downloading what is missing (see module doc).
+    allow_patterns: the files to fetch instead of a model's (a LoRA adapter's: model/resolve.py)."""
     import huggingface_hub as hf
 
     hub = hub_settings()
@@ -53,7 +56,7 @@ def download_hf(source: ModelSource, *, config_only: bool = False, progress: boo
             except hf.errors.LocalEntryNotFoundError:
                 pass
             return pathlib.Path(hf.hf_hub_download(filename="config.json", **kw)).parent
-        snapshot_kw = dict(kw, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
+        snapshot_kw = dict(kw, allow_patterns=allow_patterns or ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
         cached = _complete_cached_snapshot(hf, snapshot_kw)
         if cached is not None:
             return cached

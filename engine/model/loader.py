@@ -39,18 +39,6 @@ def checkpoint_is_float32(path: pathlib.Path) -> bool:
         return False  # load_weights reports what is wrong with the files
 
 
-def _weight_targets(config: ModelConfig, par: "ParallelState") -> dict[str, tuple[str, int, int]]:
-    """HF projection name -> (our fused parameter name, first row, number of rows) within it."""
-    q, kv, inter = sharding.local_sizes(config, par)
-    return {
-        "q_proj": ("qkv_proj", 0, q),
-        "k_proj": ("qkv_proj", q, kv),
-        "v_proj": ("qkv_proj", q + kv, kv),
-        "gate_proj": ("gate_up_proj", 0, inter),
-        "up_proj": ("gate_up_proj", inter, inter),
-    }
-
-
 FP32Hooks = dict[str, Callable[[torch.Tensor], bool]]
 
 
@@ -60,8 +48,11 @@ def load_weights(
     path: pathlib.Path,
     par: "ParallelState | None" = None,
     fp32_hooks: FP32Hooks | None = None,
+    skip: set[str] | None = None,
 ) -> None:
     """Copy every checkpoint tensor into its (possibly fused) parameter; any gap or mismatch is an error.
+    skip: checkpoint tensors another loader has consumed, and parameter names it has filled
+    (int4_weights.py's codes).
     With a ParallelState, only this rank's slices (sharding.py).
 
     Streamed (load_memory.py has the bound): parameters are filled one after another, each from the
@@ -75,29 +66,27 @@ def load_weights(
 
     par = SINGLE if par is None else par
     params = dict(model.named_parameters())
-    targets = _weight_targets(config, par)
+    targets = sharding.weight_targets(config, par)
     hooks = fp32_hooks or {}
     # Parameter name -> the checkpoint tensors that fill it: (tensor, first row, rows; None unfused).
     sources: dict[str, list[tuple[TensorInfo, int, int | None]]] = {}
     for info in (t for file in _checkpoint_files(path) for t in read_header(file)):
         key = info.name
+        if skip is not None and key in skip:
+            continue
         if key.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints store the derived RoPE table
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding matrix is the output projection
-        local = sharding.local_name(key, config, par)
-        if local is None:
+        target = sharding.local_target(key, config, par, targets)
+        if target is None:
             continue  # another pipeline stage's layer or part
-        parts = local.rsplit(".", 2)
-        name, first, rows = local, 0, None
-        if len(parts) == 3 and parts[1] in targets:
-            fused, first, rows = targets[parts[1]]
-            name = f"{parts[0]}.{fused}.{parts[2]}"
+        name, first, rows = target
         if name not in params:
             raise ValueError(f"{info.file}: unexpected tensor {key!r} for {config.architecture}")
         sources.setdefault(name, []).append((info, first, rows))
     # Rows of each parameter still unfilled, to report missing weights precisely.
-    unfilled = {name: p.shape[0] if p.dim() else 1 for name, p in params.items()}
+    unfilled = {name: p.shape[0] if p.dim() and name not in (skip or ()) else 0 for name, p in params.items()}
     files: dict[pathlib.Path, io.BufferedReader] = {}
     try:
         for name, param in params.items():  # the model's order: one parameter in flight at a time
@@ -183,6 +172,8 @@ def load_model(
     With a ParallelState: this rank's shard only. fp32_hooks(model), called once the model's storage
     exists: the parameters to hand to a hook in float32 before they are cast (load_weights)."""
     from tokenmill.engine.distributed.parallel_state import SINGLE
+    from tokenmill.engine.model.gguf_weights import codes_supported, gguf_weights_file, load_gguf_weights
+    from tokenmill.engine.model.int4_weights import int4_config, load_int4_linears
     from tokenmill.engine.models.llama import LlamaForCausalLM
 
     path = pathlib.Path(path)
@@ -191,6 +182,33 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, SINGLE if par is None else par)
     materialize(model, dtype, torch.device(device))
-    load_weights(model, config, path, par, None if fp32_hooks is None else fp32_hooks(model))
+    hooks = None if fp32_hooks is None else fp32_hooks(model)
+    par = SINGLE if par is None else par
+    codes = codes_supported(torch.device(device), dtype, par.tp_size)
+    gguf = gguf_weights_file(path)
+    int4 = int4_config(path) if gguf is None else None
+    if gguf is not None:  # a GGUF's cache folder: the weights come from the file's blocks
+        load_gguf_weights(model, config, gguf, par, codes, hooks)
+    elif int4 is not None:  # AWQ / GPTQ: the quantized linears as codes, the rest as tensors
+        if par.tp_size > 1:
+            raise ValueError(f"{path}: {int4.method} checkpoints are not supported with tensor parallelism")
+        consumed = load_int4_linears(model, config, path, int4, par, codes)
+        hooks = {**keep_codes_biases(model, codes), **(hooks or {})}
+        load_weights(model, config, path, par, hooks, skip=consumed)  # consumed: tensors and parameters
+    else:
+        load_weights(model, config, path, par, hooks)
     model.requires_grad_(False)
     return model.eval()
+
+
+def keep_codes_biases(model: torch.nn.Module, codes: bool) -> FP32Hooks:
+    """Hooks that keep the fp32 bias of every linear held as codes (the codes kernels add it in fp32)."""
+    from tokenmill.engine.layers.linear import Linear
+
+    if not codes:
+        return {}
+    return {
+        f"{name}.bias": module.keep_fp32_bias
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.packed_cpu is not None and module.bias is not None
+    }

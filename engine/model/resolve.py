@@ -1,14 +1,15 @@
 """Any model argument (a URI, a folder, a .gguf file, nothing) -> the local Hugging Face folder the engine
-loads: a hub model downloaded, a GGUF converted, once each (cached). Imports no torch: the API process of
-`tokenmill serve` resolves models too, and importing torch there costs about 500 MB of RSS. A first-time
-GGUF conversion still imports torch (gguf_convert.py); a warm start finds the converted folder and does not.
+loads: a hub model downloaded, a GGUF's config and tokenizer converted (its weights stay in the file), once
+each (cached). Imports no torch: the API process of `tokenmill serve` resolves models too, and importing
+torch there costs about 500 MB of RSS. A first-time GGUF conversion still imports torch (gguf_convert.py);
+a warm start finds the converted folder and does not.
 """
 
 import os
 import pathlib
 
 from tokenmill.engine.model.bundled import bundled_gguf_path
-from tokenmill.engine.model.gguf_cache import convert_gguf_cached, gguf_cache_dir
+from tokenmill.engine.model.gguf_cache import convert_gguf_cached, gguf_cache_dir, link_ok
 from tokenmill.engine.model.hub_download import download_hf
 from tokenmill.engine.model.source import (
     PVC_ROOT_ENV,
@@ -40,6 +41,20 @@ def resolve_model(
     return convert_gguf_cached(path)
 
 
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def resolve_adapter(path: str | os.PathLike) -> pathlib.Path:
+    """A local folder for a LoRA adapter given as any form source.py accepts but bundled:// (hf:// and
+    ORG/NAME download the adapter's two files into the hub cache, as models are)."""
+    source = parse_model_source(path)
+    if source.scheme == "bundled":
+        raise ModelSourceError(f"{path!r} names the bundled model, not a LoRA adapter")
+    if source.scheme == "hf":
+        return download_hf(source, allow_patterns=ADAPTER_FILES)
+    return resolve_model_source(source)
+
+
 def resolve_model_if_ready(model: str | os.PathLike | None, revision: str | None = None) -> pathlib.Path | None:
     """The folder resolve_model(model, revision) returns, when finding it takes no download and no
     conversion (a local HF folder, a GGUF already converted); else None, also for anything resolve_model
@@ -55,7 +70,7 @@ def resolve_model_if_ready(model: str | os.PathLike | None, revision: str | None
             return path if (path / "config.json").is_file() else None
         if path.suffix.lower() == ".gguf" and path.is_file():
             final = gguf_cache_dir(path)
-            return final if (final / "config.json").is_file() else None
+            return final if (final / "config.json").is_file() and link_ok(final, path) else None
     except (ModelSourceError, OSError, ValueError):
         pass
     return None

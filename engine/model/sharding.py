@@ -28,6 +28,33 @@ def local_sizes(config: ModelConfig, par: ParallelState) -> tuple[int, int, int]
     )
 
 
+def weight_targets(config: ModelConfig, par: ParallelState) -> dict[str, tuple[str, int, int]]:
+    """HF projection name -> (our fused parameter name, first row, number of rows) within it."""
+    q, kv, inter = local_sizes(config, par)
+    return {
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, kv),
+        "v_proj": ("qkv_proj", q + kv, kv),
+        "gate_proj": ("gate_up_proj", 0, inter),
+        "up_proj": ("gate_up_proj", inter, inter),
+    }
+
+
+def local_target(
+    key: str, config: ModelConfig, par: ParallelState, targets: dict[str, tuple[str, int, int]]
+) -> tuple[str, int, int | None] | None:
+    """(our parameter, first row, rows; None: the whole parameter) that checkpoint tensor `key` fills on
+    this rank (targets: weight_targets'), or None when another pipeline stage holds it."""
+    local = local_name(key, config, par)
+    if local is None:
+        return None
+    parts = local.rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in targets:
+        fused, first, rows = targets[parts[1]]
+        return f"{parts[0]}.{fused}.{parts[2]}", first, rows
+    return local, 0, None
+
+
 def local_name(key: str, config: ModelConfig, par: ParallelState) -> str | None:
     """The parameter name key loads into on this rank (layer renumbered within the stage), or None
     when another pipeline stage holds it."""

@@ -52,6 +52,9 @@ from torch import nn
 
 
 class LlamaAttention(nn.Module):
+    # {"qkv_proj": LoRASlots, "o_proj": LoRASlots} when adapters are enabled (engine/lora/manager.py)
+    lora: dict | None = None
+
     def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
         self.par = par
@@ -78,6 +81,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.lora is not None:  # the step's adapter rows, before rope (engine/layers/lora.py)
+            self.lora["qkv_proj"].add(qkv, hidden)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -92,11 +97,17 @@ class LlamaAttention(nn.Module):
             q = rope.apply(q)
             k = rope.apply(k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        out = out.view(num_tokens, self.q_size)
+        o = self.o_proj(out)
+        if self.lora is not None:  # a partial product too under TP: the all-reduce sums it with the base's
+            self.lora["o_proj"].add(o, out)
         # Row parallel: each rank's partial product over its heads; the sum is the full projection.
-        return tp_all_reduce(self.o_proj(out.view(num_tokens, self.q_size)), self.par)
+        return tp_all_reduce(o, self.par)
 
 
 class LlamaMLP(nn.Module):
+    lora: dict | None = None  # {"gate_up_proj": ..., "down_proj": ...}: as LlamaAttention.lora
+
     def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
         self.par = par
@@ -106,7 +117,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.par)
+        if self.lora is None:
+            return tp_all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.par)
+        gate_up = self.gate_up_proj(x)
+        self.lora["gate_up_proj"].add(gate_up, x)
+        act = silu_and_mul(gate_up)
+        down = self.down_proj(act)
+        self.lora["down_proj"].add(down, act)
+        return tp_all_reduce(down, self.par)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -161,6 +179,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    lora_state = None  # LoRAStepState when adapters are enabled (engine/lora/manager.py)
+
     def __init__(self, config: ModelConfig, par: ParallelState = SINGLE) -> None:
         super().__init__()
         self.par = par
@@ -193,7 +213,9 @@ class LlamaModel(nn.Module):
             hidden, residual = stage_input
         rope = self.rotary_emb.for_positions(positions, hidden.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i == 1 and llama_cpu_decoder.step_fits(hidden, rope, attn_metadata):
+            # The C++ layer loop knows nothing of adapters: a step with adapter rows stays in Python.
+            lora_rows = self.lora_state is not None and self.lora_state.active
+            if i == 1 and not lora_rows and llama_cpu_decoder.step_fits(hidden, rope, attn_metadata):
                 fused = self._fused_weights(kv_caches)
                 if fused is not None and hidden.shape[0] <= fused.max_rows:  # the rest of the layers in one C++ call
                     hidden, residual = llama_cpu_decoder.run_layers(layer, fused.weights, hidden, residual, rope,
@@ -250,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         if hidden.dtype == torch.float32:
             codes_rows = CPU_PACKED_MAX_ROWS
         else:
-            codes_rows = dense_bf16_max_rows() if packed is not None and packed.dense is not None else bf16_logits_max_rows()
+            codes_rows = dense_bf16_max_rows() if getattr(packed, "dense", None) is not None else bf16_logits_max_rows()
         if packed is not None and (weight is None or hidden.shape[0] <= codes_rows):
             local = packed.linear(hidden, out_dtype=torch.float32)
         elif self.lm_head_packed is not None and hidden.shape[0] >= PREPACK_MIN_ROWS:
@@ -268,13 +290,15 @@ class LlamaForCausalLM(nn.Module):
             dense = dense_bf16_supported()
         for module in self.model.modules():  # the decoder; the LM head is packed once, below
             if isinstance(module, Linear):
-                if dense and module.packed_cpu is None and module.weight.dtype == torch.bfloat16:
+                if dense and module.packed_cpu is None and module.weight is not None and module.weight.dtype == torch.bfloat16:
                     module.pack_dense()
                 else:
                     module.prepack()
         if self.par.is_last_stage:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            if dense and self.lm_head_packed_cpu is None and weight.dtype == torch.bfloat16:
+            if weight is None:  # loaded as codes, which serve every batch
+                pass
+            elif dense and self.lm_head_packed_cpu is None and weight.dtype == torch.bfloat16:
                 self.lm_head_packed_cpu = dense_bf16_weight(weight)
                 if dense_bf16_max_rows() < 1 << 62:
                     self.lm_head_packed = prepack_weight(weight)
@@ -357,6 +381,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_cpu(blocks, keep_fp32, cache)
         if self.par.is_last_stage:
+            if self.lm_head is None and self.model.embed_tokens.weight is None:
+                return  # loaded as codes: lm_head_packed_cpu holds them
             if self.lm_head is None:
                 embed = self.model.embed_tokens
                 self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False, cache=cache)

@@ -50,16 +50,17 @@ def _linear_parts(lin: Linear) -> list[torch.Tensor] | None:
     """codes, scales, mins, bias of a projection on codes; for one on dense bf16 panels the panels in the
     codes' place (cpu_decoder.cpp tells them apart by dtype) and empty scales and mins."""
     packed = lin.packed_cpu
-    if packed is None or (packed.codes is None and packed.dense is None):
+    dense = getattr(packed, "dense", None)
+    if dense is None and getattr(packed, "codes", None) is None:  # none, fp32 panels, or another layout (grouped_codes.py)
         return None
     bias = lin.bias_fp32 if lin.bias_fp32 is not None else torch.empty(0)
-    if packed.dense is not None:
-        return [packed.dense, torch.empty(0), torch.empty(0), bias]
+    if dense is not None:
+        return [dense, torch.empty(0), torch.empty(0), bias]
     return [packed.codes, packed.scales, packed.mins, bias]
 
 
 def _linear_max_rows(lin: Linear) -> int:
-    return dense_bf16_max_rows() if lin.packed_cpu.dense is not None else bf16_codes_max_rows()
+    return dense_bf16_max_rows() if getattr(lin.packed_cpu, "dense", None) is not None else bf16_codes_max_rows()
 
 
 def layer_weights(layers: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedLayers | None:

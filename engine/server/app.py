@@ -2,6 +2,7 @@
 health.py), metrics, version; auth; OpenAI-format
 errors for every failure (FastAPI's 422 validation errors become 400s, as OpenAI answers them)."""
 
+import asyncio
 import hmac
 import importlib.metadata
 from collections.abc import Callable
@@ -10,9 +11,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+from tokenmill.engine.server.body_limit import BodyLimitMiddleware
 from tokenmill.engine.server.chat_messages import render_chat_prompt, validate_messages
 from tokenmill.engine.server.disconnect import ClientDisconnected
 from tokenmill.engine.server.errors import OpenAIError, bad_request, error_response, validation_message
@@ -22,11 +24,13 @@ from tokenmill.engine.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     RenderResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from tokenmill.engine.server.serving_chat import create_chat_completion, render_chat_completion
 from tokenmill.engine.server.serving_completion import create_completion, render_completion
@@ -51,7 +55,7 @@ class AuthMiddleware:
     def _protected(self, path: str) -> bool:
         return (
             path.startswith("/v1/")
-            or path in ("/tokenize", "/detokenize")
+            or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
             or (path == "/metrics" and self.state.require_auth_for_metrics)
         )
 
@@ -80,6 +84,8 @@ def build_app(
     health_cfg = health_config or HealthConfig()
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokenmill = state
+    # The last added runs first: the key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=state.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, state=state)
 
     @app.exception_handler(OpenAIError)
@@ -125,10 +131,32 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[
+        cards = [
             ModelCard(id=name, root=state.model_root, max_model_len=state.max_model_len or None)
             for name in state.served_model_names
-        ])  # fmt: skip
+        ]
+        if state.lora is not None:  # adapters, with their base model as parent (vLLM's listing)
+            cards += [
+                ModelCard(id=lora.lora_name, root=lora.lora_path, parent=state.model_name,
+                          max_model_len=state.max_model_len or None)
+                for lora in state.lora.adapters.values()
+            ]  # fmt: skip
+        return ModelList(data=cards)
+
+    # ---- LoRA adapters at run time (vLLM's routes; server/lora.py) --------------------------------
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        serving = _runtime_lora(state)
+        await asyncio.to_thread(serving.load, req.lora_name, req.lora_path, set(state.served_model_names))
+        state.metrics.set_lora_adapters(list(serving.adapters), serving.failed)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        serving = _runtime_lora(state)
+        serving.unload(req.lora_name)
+        state.metrics.set_lora_adapters(list(serving.adapters), serving.failed)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     # ---- tokenizer -------------------------------------------------------------------------------
     @app.post("/tokenize")
@@ -165,6 +193,18 @@ def build_app(
     async def live() -> Response:
         return liveness(state, health_cfg)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        """vLLM's endpoint: forget every cached KV block (an AllBlocksCleared KV event). As in vLLM, only
+        while no request holds blocks; otherwise a 409 and nothing changes."""
+        engine = state.ready_engine()
+        if not await engine.reset_prefix_cache():
+            raise OpenAIError(
+                409,
+                "the prefix cache was not reset: running requests hold KV blocks; retry when the engine is idle",
+            )
+        return {"reset": True}
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": _version()}
@@ -177,3 +217,19 @@ def build_app(
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _runtime_lora(state: ServerState) -> Any:
+    """The server's LoRAServing when adapters may change at run time, else the 4xx that says how to allow it."""
+    if state.lora is None:
+        if state.status != "ready":
+            state.ready_engine()  # 503 while loading: adapters are registered at the end of start-up
+        raise OpenAIError(400, "this server serves no LoRA adapters: start it with --enable-lora")
+    if not state.lora.allow_runtime_updates:
+        raise OpenAIError(
+            404,
+            "loading and unloading LoRA adapters at run time is off: start the server with "
+            "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+            code="not_found",
+        )
+    return state.lora

@@ -13,6 +13,7 @@ ERROR_TYPES: dict[int, str] = {
     403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",

@@ -16,14 +16,16 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import EngineConfig, max_cpu_loras
 from tokenmill.engine.core.client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.engine.frontend.generation_config import default_sampling_params, describe
 from tokenmill.engine.model.source import parse_model_source
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.server.app import build_app
+from tokenmill.engine.server.errors import OpenAIError
 from tokenmill.engine.server.health import HealthConfig
+from tokenmill.engine.server.lora import LoRAServing, read_lora_modules_file
 from tokenmill.engine.server.prometheus import ServerMetrics
 from tokenmill.engine.server.state import ServerState
 from tokenmill.engine.server.tools.request import template_uses_tools
@@ -103,16 +105,28 @@ async def bring_up(
         logger.error("engine core died: %s; exiting with status 1", err)
         server.exit_soon(1, DEATH_EXIT_DELAY_S)
 
+    lora = None
+    if config.enable_lora:
+        try:
+            lora = await register_lora_modules(args, config, model_config, state)
+        except Exception as e:
+            logger.error("startup failed: %s", e)
+            state.status, state.status_detail = "failed", f"startup failed: {e}"
+            server.exit_soon(1)
+            return
+        metrics.enable_lora(config.max_loras)
+        metrics.set_lora_adapters(list(lora.adapters), lora.failed)
     engine = AsyncLLM(
         client,
         tokenizer,
         info,
         max_waiting_requests=args.max_waiting_requests or None,
+        max_cpu_loras=max_cpu_loras(config),
         metrics=metrics,
         on_dead=on_dead,
     )
     engine.start()
-    state.engine, state.metrics, state.tokenizer = engine, metrics, tokenizer
+    state.engine, state.metrics, state.tokenizer, state.lora = engine, metrics, tokenizer, lora
     state.model_root = config.model
     state.vocab_size = min(len(tokenizer), model_config.vocab_size)
     state.max_model_len = capacity.max_model_len
@@ -131,6 +145,8 @@ async def bring_up(
         else "the chat template ignores them: written into the system message (Hermes format)",
         state.tool_call_parser,
     )
+    if lora is not None and args.lora_modules_file:
+        state.extra["lora_file_task"] = asyncio.get_running_loop().create_task(watch_lora_modules_file(state, args))
     if state.status == "loading":
         state.status, state.status_detail = "ready", "ok"
     logger.info("%s", capacity.describe())
@@ -147,6 +163,69 @@ async def bring_up(
     )
 
 
+async def register_lora_modules(
+    args: argparse.Namespace, config: EngineConfig, model_config: object, state: ServerState
+) -> LoRAServing:
+    """The server's adapters, --lora-modules checked and registered (downloads in a thread); any that
+    fails fails the start-up, with the reason."""
+    lora = LoRAServing(
+        state.model_name, model_config, config.max_loras, config.max_lora_rank, max_cpu_loras(config),
+        args.allow_runtime_lora_updating,
+    )  # fmt: skip
+    for module in args.lora_modules:
+        try:
+            added = await asyncio.to_thread(lora.load, module.name, module.path, set(state.served_model_names))
+        except OpenAIError as e:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e.message}") from None
+        logger.info("LoRA adapter %r (id %d) from %s", added.lora_name, added.lora_int_id, added.lora_path)
+    if args.lora_modules_file:  # before the server is ready: the adapters it lists are served from the start
+        await sync_lora_modules_file(lora, args.lora_modules_file, set(state.served_model_names), retry=False)
+    logger.info("LoRA: %d adapters registered; %d slots of rank %d, %d in host memory; runtime loading %s",
+                len(lora.adapters), config.max_loras, config.max_lora_rank, max_cpu_loras(config),
+                "on" if lora.allow_runtime_updates else "off (--allow-runtime-lora-updating)")  # fmt: skip
+    return lora
+
+
+LORA_FILE_POLL_S = 2.0  # how often --lora-modules-file is looked at (a stat; read only when it changed)
+LORA_RETRY_S = 30.0  # how often adapters that failed to load are tried again
+
+
+async def sync_lora_modules_file(lora: LoRAServing, path: str, reserved: set[str], retry: bool) -> bool:
+    """One pass over --lora-modules-file; a file that is missing or not valid is logged and changes nothing."""
+    try:
+        modules = await asyncio.to_thread(read_lora_modules_file, path)
+    except (OSError, ValueError) as e:
+        logger.error("--lora-modules-file %s: %s; adapters unchanged", path, e)
+        return False
+    changed = await asyncio.to_thread(lora.sync_file, modules, reserved, retry)
+    if changed:
+        for name, reason in lora.failed.items():
+            logger.error("LoRA adapter %r from %s failed to load: %s", name, path, reason)
+        logger.info("LoRA adapters from %s: %s", path, ", ".join(sorted(lora.from_file)) or "none")
+    return changed
+
+
+async def watch_lora_modules_file(state: ServerState, args: argparse.Namespace) -> None:
+    """Follow --lora-modules-file: the kubelet rewrites a mounted ConfigMap when it changes (by swapping a
+    symlink, so the path's stat changes)."""
+    path, last, last_retry = args.lora_modules_file, None, time.monotonic()
+    while True:
+        await asyncio.sleep(LORA_FILE_POLL_S)
+        try:
+            st = os.stat(path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = None
+        retry = bool(state.lora.failed) and time.monotonic() - last_retry >= LORA_RETRY_S
+        if key == last and not retry:
+            continue
+        last = key
+        if retry:
+            last_retry = time.monotonic()
+        if await sync_lora_modules_file(state.lora, path, set(state.served_model_names), retry):
+            state.metrics.set_lora_adapters(list(state.lora.adapters), state.lora.failed)
+
+
 def run_server(args: argparse.Namespace, config: EngineConfig, launched: MPClient | None = None) -> int:
     """Serve until shutdown; the exit status. config: the engine's (from the flags); launched: the engine
     core cli/serve.py launched already, on the resolved folder."""
@@ -154,6 +233,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig, launched: MPClien
         served_model_names=list(args.served_model_name),
         api_key=args.api_key or None,
         require_auth_for_metrics=args.require_auth_for_metrics,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     holder: dict[str, Server] = {}
 

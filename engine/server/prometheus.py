@@ -6,6 +6,8 @@ iteration tokens, queue time), which sends SchedulerStats with every step, and t
 and exported by the API process. Each server owns its registry, so in-process tests can run several.
 """
 
+import time
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -176,6 +178,33 @@ class ServerMetrics:
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )
 
+        self._lora_info: Gauge | None = None
+        self._lora_last_named: tuple[tuple[str, str, str], float] | None = None
+        self.max_lora = 0
+
+    def enable_lora(self, max_loras: int) -> None:
+        """vllm:lora_requests_info, as vLLM declares it (no model_name label: vLLM's has none)."""
+        self.max_lora = max_loras
+        self._lora_info = Gauge(
+            names.LORA_REQUESTS_INFO,
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora_adapters = Gauge(
+            names.LORA_ADAPTER_INFO,
+            "LoRA adapters this server serves (status loaded) or failed to load (status failed, with the reason).",
+            [names.LABEL_MODEL, "lora_name", "status", "reason"],
+            registry=self.registry,
+        )
+
+    def set_lora_adapters(self, loaded: list[str], failed: dict[str, str]) -> None:
+        self._lora_adapters.clear()
+        for name in loaded:
+            self._lora_adapters.labels(self.model_name, name, "loaded", "").set(1)
+        for name, reason in failed.items():
+            self._lora_adapters.labels(self.model_name, name, "failed", reason[:500]).set(1)
+
     # ---- set once ------------------------------------------------------------------------------
     def set_capacity(self, capacity: object, enable_prefix_caching: bool) -> None:
         """`capacity` is the engine's EngineCapacity (duck-typed: the API process need not import torch)."""
@@ -184,8 +213,10 @@ class ServerMetrics:
         self.max_concurrency.set(c.max_concurrency)
         self.max_model_len.set(c.max_model_len)
         self.model_load_seconds.set(c.model_load_seconds)
+        # cache_dtype: what the pool holds (the model's dtype, int8, fp8_e4m3, fp8_e5m2), not the flag's `auto`/`fp8`.
+        cache_dtype = getattr(c, "kv_cache_dtype_resolved", "") or c.dtype
         self._cache_info.labels(
-            self.model_name, str(c.block_size), str(c.num_kv_blocks), c.dtype, str(enable_prefix_caching)
+            self.model_name, str(c.block_size), str(c.num_kv_blocks), cache_dtype, str(enable_prefix_caching)
         ).set(1)
 
     # ---- per engine step -----------------------------------------------------------------------
@@ -205,6 +236,24 @@ class ServerMetrics:
             self.queue_time.observe(waited)
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
+        if self._lora_info is not None:
+            self._record_lora(stats)
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
+        """vLLM sets a new label set every step, value the time, and never drops one; the endpoint picker
+        reads the series with the largest value: v1.5.0's extractor among all series, its older metrics
+        client among those with a running or waiting adapter. Kept here: the latest series and the latest
+        one that names an adapter, which both rules read exactly as they read vLLM's, without a series for
+        every combination of adapters ever seen."""
+        labels = (str(self.max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
+        now = time.time()
+        self._lora_info.clear()
+        self._lora_info.labels(*labels).set(now)
+        if labels[1] or labels[2]:
+            self._lora_last_named = (labels, now)
+        elif self._lora_last_named is not None:
+            named, when = self._lora_last_named
+            self._lora_info.labels(*named).set(when)
 
     def set_waiting(self, num_waiting: int) -> None:
         self.num_waiting.set(num_waiting)

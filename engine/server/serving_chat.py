@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.server.chat_messages import render_chat_prompt, validate_messages
@@ -53,12 +54,14 @@ class ChatPlan:
     params: SamplingParams
     max_tokens_param: str  # the field that set the completion budget, for the length error to name
     tools: ToolPlan | None
+    lora: LoRARequest | None = None  # the adapter `model` names (None: the base model)
+    model: str = ""  # what the response reports as `model`
 
 
 # ---- 1. validate ---------------------------------------------------------------------------------
 async def _validate(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
     """Everything that can be checked before the request counts as admitted, the grammar included."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     state.ready_engine()
     messages = validate_messages(req.messages)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -81,7 +84,7 @@ async def _validate(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
     params.structured_outputs = forced or constraint
     param = "tool_choice" if forced else ("response_format" if req.response_format else "structured_outputs")
     await check_compiles(params.structured_outputs, state.tokenizer, param)
-    return ChatPlan(messages, params, max_tokens_param, tools)
+    return ChatPlan(messages, params, max_tokens_param, tools, lora, state.response_model(lora))
 
 
 # ---- 2. render the prompt ------------------------------------------------------------------------
@@ -109,7 +112,7 @@ async def render_chat_completion(state: ServerState, req: ChatCompletionRequest)
     plan = await _validate(state, req)
     _, prompt_ids = await _prepare(state, req, state.ready_engine(), plan)
     return RenderResponse(
-        request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, token_ids=prompt_ids,
+        request_id=f"chatcmpl-{uuid.uuid4().hex}", model=plan.model, token_ids=prompt_ids,
         sampling_params=plan.params.to_dict(),
     )  # fmt: skip
 
@@ -118,13 +121,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     plan = await _validate(state, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     arrival = time.monotonic()
-    engine = state.admit([request_id])  # the 429 comes before any tokenizer work
+    engine = state.admit([request_id], plan.lora)  # the 429 comes before any tokenizer work
     try:
         prompt, prompt_ids = await _prepare(state, req, engine, plan)
         gen = engine.generate(
             request_id, prompt, prompt_ids, plan.params, arrival, req.priority or 0, cache_salt=req.cache_salt,
             # a full response needs only the final output (streams stay cumulative: tool parsing reads the text)
             output_kind=RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
+            lora_request=plan.lora,
         )
     except BaseException:
         engine.release([request_id])
@@ -192,7 +196,7 @@ async def _full(
             index=c.index, message=message, logprobs=logprobs,
             finish_reason=_finish_reason(c.finish_reason, plan.tools, len(calls)), stop_reason=c.stop_reason,
         ))  # fmt: skip
-    body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(final))
+    body = ChatCompletionResponse(id=request_id, model=plan.model, choices=choices, usage=_usage(final))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -228,7 +232,7 @@ async def _stream(
 
     def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
         return sse(ChatCompletionStreamResponse(
-            id=request_id, created=created, model=state.model_name, choices=[choice]
+            id=request_id, created=created, model=plan.model, choices=[choice]
         ))  # fmt: skip
 
     try:
@@ -273,7 +277,7 @@ async def _stream(
                 sent_text[i], sent_tokens[i], finished[i] = c.text, len(c.token_ids), done
         if include_usage and final is not None:
             yield sse(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=state.model_name, choices=[], usage=_usage(final)
+                id=request_id, created=created, model=plan.model, choices=[], usage=_usage(final)
             ))  # fmt: skip
     except Exception as e:
         # The status line has gone out already: report the failure in-band, as OpenAI does.

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.server.disconnect import run_until_disconnect
@@ -47,16 +48,17 @@ def split_prompts(prompt: Any) -> list[str | list[int]]:
 
 async def _validate(
     state: ServerState, req: CompletionRequest
-) -> tuple[list[str | list[int]], SamplingParams]:
-    """Everything that can be checked before the request counts as admitted, the grammar included."""
-    state.check_model(req.model)
+) -> tuple[list[str | list[int]], SamplingParams, LoRARequest | None]:
+    """Everything that can be checked before the request counts as admitted, the grammar included; the
+    adapter `model` names (None: the base model)."""
+    lora = state.check_model(req.model)
     state.ready_engine()
     prompts = split_prompts(req.prompt)
     params = completion_sampling_params(req, state.max_num_seqs, state.vocab_size, state.default_sampling)
     params.structured_outputs = request_structured_outputs(req.response_format, req.structured_outputs)
     param = "response_format" if req.response_format else "structured_outputs"
     await check_compiles(params.structured_outputs, state.tokenizer, param)
-    return prompts, params
+    return prompts, params, lora
 
 
 async def _prepare(
@@ -87,13 +89,13 @@ async def _prepare(
 async def render_completion(state: ServerState, req: CompletionRequest) -> list[RenderResponse]:
     """POST /v1/completions/render: one entry per prompt (token ids, sampling parameters), validated
     exactly as a completion request, without generating."""
-    prompts, base_params = await _validate(state, req)
+    prompts, base_params, lora = await _validate(state, req)
     prepared = await _prepare(state, req, state.ready_engine(), prompts, base_params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     return [
         RenderResponse(
-            request_id=rid, model=state.model_name, token_ids=token_ids, sampling_params=params.to_dict()
+            request_id=rid, model=state.response_model(lora), token_ids=token_ids, sampling_params=params.to_dict()
         )
         for rid, (_, token_ids, params) in zip(ids, prepared, strict=True)
     ]
@@ -101,11 +103,12 @@ async def render_completion(state: ServerState, req: CompletionRequest) -> list[
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     # 1. Check, then admit every prompt as one (the 429 comes before any tokenizer work).
-    prompts, base_params = await _validate(state, req)
+    prompts, base_params, lora = await _validate(state, req)
+    model = state.response_model(lora)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     arrival = time.monotonic()
-    engine = state.admit(ids)
+    engine = state.admit(ids, lora)
     # 2. Tokenize, start generating.
     try:
         prepared = await _prepare(state, req, engine, prompts, base_params)
@@ -114,6 +117,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                 rid, text, token_ids, params, arrival, req.priority or 0, cache_salt=req.cache_salt,
                 # a stream sends what is new each step; a full response needs only the final output
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+                lora_request=lora,
             )
             for rid, (text, token_ids, params) in zip(ids, prepared, strict=True)
         ]
@@ -127,11 +131,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(state, request_id, gens, prompt_texts, base_params, texts, include_usage),
+            _stream(model, request_id, gens, prompt_texts, base_params, texts, include_usage),
             media_type="text/event-stream",
             background=BackgroundTask(_cleanup, engine, ids, gens),
         )
-    return await run_until_disconnect(raw, _full(state, request_id, gens, prompt_texts, base_params, texts))
+    return await run_until_disconnect(raw, _full(model, request_id, gens, prompt_texts, base_params, texts))
 
 
 async def _cleanup(engine: Any, ids: list[str], gens: list[AsyncGenerator]) -> None:
@@ -148,7 +152,7 @@ def _usage(finals: list[RequestOutput | None]) -> UsageInfo:
 
 
 async def _full(
-    state: ServerState,
+    model: str,
     request_id: str,
     gens: list[AsyncGenerator],
     prompt_texts: list[str],
@@ -173,12 +177,12 @@ async def _full(
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             ))  # fmt: skip
-    body = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(finals))
+    body = CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def _stream(
-    state: ServerState,
+    model: str,
     request_id: str,
     gens: list[AsyncGenerator],
     prompt_texts: list[str],
@@ -209,7 +213,7 @@ async def _stream(
                     )
                 if prefix or c.text or new_lp is not None or done:
                     yield sse(CompletionStreamResponse(
-                        id=request_id, created=created, model=state.model_name,
+                        id=request_id, created=created, model=model,
                         choices=[CompletionResponseChoice(
                             index=i, text=prefix + c.text, logprobs=new_lp, finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason if done else None,
@@ -222,7 +226,7 @@ async def _stream(
             completion = sum(f.metrics.get("num_generation_tokens", 0) for f in finals if f is not None)
             usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
             yield sse(CompletionStreamResponse(
-                id=request_id, created=created, model=state.model_name, choices=[], usage=usage
+                id=request_id, created=created, model=model, choices=[], usage=usage
             ))  # fmt: skip
     except Exception as e:
         yield sse(engine_error(e).body())

@@ -6,12 +6,14 @@ import torch
 import torch.distributed as dist
 from tokenmill.engine.distributed.parallel_state import SINGLE, ParallelState, all_ranks_ok, same_on_all_ranks
 from tokenmill.engine.layers.attention import AttentionMetadata
+from tokenmill.engine.lora.manager import LoRAModelManager
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.worker.cuda_graphs import CUDAGraphRunner
 from tokenmill.engine.worker.huge_pages import zeros_huge_pages
 from tokenmill.engine.worker.sampler import Sampler
 from tokenmill.engine.worker.step_input import StepInput, broadcast_step
+from tokenmill.kernels import kv_quant
 
 
 class ModelRunner:
@@ -29,13 +31,16 @@ class ModelRunner:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: torch.dtype | None = None,
         enforce_eager: bool = False,
         hidden_size: int = 0,
         par: ParallelState = SINGLE,
+        lora: LoRAModelManager | None = None,
     ) -> None:
         """model: loaded and packed (Worker); num_layers / num_kv_heads: this rank's (its pipeline stage's
-        layers, its KV heads)."""
+        layers, its KV heads); lora: the adapter slots attached to the model (before any graph captures)."""
         self.model = model
+        self.lora = lora
         self.device = device
         self.dtype = dtype
         self.vocab_size = vocab_size
@@ -45,11 +50,14 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # One allocation for the whole pool: [layers, K/V, blocks, block_size, kv_heads, head_dim]; on
         # the CPU on huge pages (huge_pages.py: attention reads it a block at a time, all over the pool).
-        pool_shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # An 8-bit cache's rows are head_dim codes and a 4-byte scale (kernels/kv_quant.py). None: dtype.
+        kv_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+        width = head_dim + (kv_quant.KV_SCALE_BYTES if kv_dtype in kv_quant.KV_QMAX else 0)
+        pool_shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, width)
         if device.type == "cpu":
-            self.kv_pool = zeros_huge_pages(pool_shape, dtype)
+            self.kv_pool = zeros_huge_pages(pool_shape, kv_dtype)
         else:
-            self.kv_pool = torch.zeros(pool_shape, dtype=dtype, device=device)
+            self.kv_pool = torch.zeros(pool_shape, dtype=kv_dtype, device=device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(num_layers)]
         # Reused every step instead of reallocated.
         self.block_table_buf = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
@@ -69,6 +77,11 @@ class ModelRunner:
     ) -> tuple[list[int], list[TokenLogprobs | None], list[Request]]:
         """Run the step (rank 0: on every rank). Returns sampled tokens (and logprobs) for the sequences
         whose scheduled tokens reach their end; mid-prompt chunks sample nothing."""
+        if self.lora is not None and any(r.lora_request is not None for r, _ in scheduled):
+            # Sequences of one adapter side by side (base first): the grouped LoRA product then reads its
+            # rows as contiguous groups (layers/lora.py). The returned `reqs` follow this order.
+            order = sorted(range(len(scheduled)), key=lambda i: _lora_id(scheduled[i][0]))
+            scheduled, block_ids = [scheduled[i] for i in order], [block_ids[i] for i in order]
         step = self.prepare(scheduled, block_ids)
         par = self.par
         if par.world_size > 1:
@@ -116,6 +129,10 @@ class ModelRunner:
         np.cumsum(num_new, out=query_start_loc[1:])
         sampling = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_tokens]
         last_token = query_start_loc[1:] - 1
+        lora_ids, loras = np.zeros(0, dtype=np.int64), []
+        if self.lora is not None and any(r.lora_request is not None for r, _ in scheduled):
+            lora_ids = np.fromiter((_lora_id(r) for r, _ in scheduled), dtype=np.int64, count=num_seqs)
+            loras = list({r.lora_request.lora_int_id: r.lora_request for r, _ in scheduled if r.lora_request}.values())
         return StepInput(
             input_ids=input_ids,
             positions=np.ascontiguousarray(positions, dtype=np.int64),
@@ -125,6 +142,8 @@ class ModelRunner:
             block_tables=table.copy(),
             sample_rows=last_token[sampling].astype(np.int64),
             decode_only=decode_only,
+            lora_ids=lora_ids,
+            loras=loras,
         )
 
     @torch.inference_mode()
@@ -142,6 +161,9 @@ class ModelRunner:
             max_query_len=int(np.diff(step.query_start_loc).max()),
             max_seq_len=int(step.seq_lens.max()),
         )
+        if self.lora is not None:  # this step's rows -> adapter slots, for every layer's projections
+            num_new = None if step.decode_only else np.diff(step.query_start_loc)
+            self.lora.set_step(step.lora_ids, num_new, step.loras)
         ids_t = torch.from_numpy(step.input_ids).to(dev)
         pos_t = torch.from_numpy(step.positions).to(dev)
         stage_input = None
@@ -165,3 +187,7 @@ class ModelRunner:
         if par.pp_size > 1 and par.tp_rank == 0:
             dist.send(logits, dst=0, group=par.world_group)
         return logits
+
+
+def _lora_id(req: Request) -> int:
+    return 0 if req.lora_request is None else req.lora_request.lora_int_id

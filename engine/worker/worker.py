@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from tokenmill.engine import kv_memory
+from tokenmill.engine.config import max_cpu_loras
 from tokenmill.engine.distributed.parallel_state import (
     SINGLE,
     ParallelState,
@@ -18,12 +19,14 @@ from tokenmill.engine.distributed.parallel_state import (
     layer_range,
     min_on_all_ranks,
 )
+from tokenmill.engine.lora.manager import LoRAModelManager
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.model.loader import load_model
 from tokenmill.engine.model.weight_codes_cache import open_cache, save_cache
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
 from tokenmill.engine.worker.cpu_weights import WeightPlan, loading_hooks, plan_weights, prepare_weights
-from tokenmill.engine.worker.device import DTYPES
+from tokenmill.engine.worker.device import DTYPES, KV_CACHE_TORCH_DTYPES
 from tokenmill.engine.worker.engine_plan import CUDA_KV_CACHE_FRACTION, EnginePlan
 from tokenmill.engine.worker.model_runner import ModelRunner
 from tokenmill.engine.worker.step_input import StepInput
@@ -45,6 +48,7 @@ class Worker:
         self.weight_plan: WeightPlan = plan_weights(device, self.dtype, plan.model_path, par.world_size)
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
+        self.lora: LoRAModelManager | None = None
 
     def load_model(self, mark: Callable[[str], None] = _no_mark) -> None:
         """Build the kernels, read this rank's weights and pack them for the kernels that will run them.
@@ -73,6 +77,13 @@ class Worker:
             save_cache(cache)
             mark("codes cache")
         self.model = model
+        cfg = plan.config
+        if cfg.enable_lora:  # the slots now: on CUDA the KV pool is sized from the memory left after them
+            self.lora = LoRAModelManager(
+                model, plan.model_config, self.par, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+                max_cpu_loras=max_cpu_loras(cfg), max_rows=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks of this rank's pool: the plan's, or on CUDA what fits in the memory free after the weights;
@@ -98,13 +109,15 @@ class Worker:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.plan.max_model_len,
             dtype=self.dtype,
+            kv_cache_dtype=KV_CACHE_TORCH_DTYPES[self.plan.kv_cache_dtype],
             device=self.device,
             enforce_eager=cfg.enforce_eager,
             hidden_size=mc.hidden_size,
             par=par,
+            lora=self.lora,
         )
-        logger.info("rank %d (tp %d, pp %d) ready: %d KV blocks on %s", par.rank, par.tp_rank, par.pp_rank,
-                    num_blocks, self.device)  # fmt: skip
+        logger.info("rank %d (tp %d, pp %d) ready: %d KV blocks (%s) on %s", par.rank, par.tp_rank, par.pp_rank,
+                    num_blocks, self.plan.kv_cache_dtype, self.device)  # fmt: skip
 
     def execute_model(
         self, scheduled: list[tuple[Request, int]], block_ids: list[list[int]]
@@ -112,6 +125,11 @@ class Worker:
         """Rank 0: run the step on every rank, sample. Returns the sampled tokens (and logprobs) of the
         sequences whose scheduled tokens reach their end."""
         return self.runner.execute(scheduled, block_ids)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Rank 0: read an adapter into the host cache now (its tensors checked against the model), so that
+        a broken one fails its request, not a step."""
+        self.lora.add_lora(lora)
 
     def forward(self, step: StepInput) -> None:
         """Other ranks: this rank's part of a step rank 0 broadcast."""

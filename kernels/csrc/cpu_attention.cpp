@@ -10,6 +10,9 @@
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [num_seqs, max_blocks];
 // query_start_loc int32 [num_seqs + 1]; seq_lens int32 [num_seqs] (cached prefix + this chunk).
 // The query row i of a chunk of n rows sits at position seq_len - n + i and sees keys 0..position.
+// 8-bit caches (cpu_kv_quant.h) are [.., head_dim + 4]: codes, then the row's fp32 scale. The kernels
+// dequantize in registers and apply the scales to the scores (K) and the probabilities (V), not to each
+// element: an 8-bit row costs one conversion per element, as a bf16 row does, from half the bytes.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,15 +22,25 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_kv_quant.h"
 #include "cpu_ops.h"
 
 namespace {
 
-using tokenmill_cpu::to_float;
+using tokenmill_cpu::KvCode;
+using tokenmill_cpu::kv_row;
+using tokenmill_cpu::kv_scale;
+using tokenmill_cpu::raw_code;
 
-template <typename T>
-inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+// One cache row as fp32 values (8-bit codes times their row's scale).
+template <typename C>
+inline void load_row(const C* __restrict src, float* __restrict dst, int n) {
+  if constexpr (KvCode<C>::quantized) {
+    const float s = kv_scale(src, n);
+    for (int i = 0; i < n; ++i) dst[i] = raw_code(src[i]) * s;
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = raw_code(src[i]);
+  }
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int n) {
@@ -65,14 +78,15 @@ inline void for_each_slot(const T* cache, const int32_t* block_table, int64_t bl
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void attend_rows(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
-                 const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t block_size,
+                 const C* k_cache, const C* v_cache, const int32_t* block_table, int64_t block_size,
                  int64_t num_kv_heads, int64_t head_dim, int64_t kv_head, int64_t group, int64_t first_row,
                  int64_t num_rows, int64_t seq_len, float scale, std::vector<float>& scratch) {
   // Portable path (any head_dim, any x86/ARM CPU); the AVX-512 path below is the fast one.
   const int D = static_cast<int>(head_dim);
-  const int64_t token_stride = num_kv_heads * head_dim;  // one cache slot
+  const int64_t row_stride = kv_row<C>(head_dim);
+  const int64_t token_stride = num_kv_heads * row_stride;  // one cache slot
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t row = first_row + r;
     const int64_t n_keys = seq_len - num_rows + r + 1;  // causal: keys 0..position
@@ -84,8 +98,8 @@ void attend_rows(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out
     float* scores = acc + group * D;
     for (int64_t g = 0; g < group; ++g)
       load_row(q + row * q_row_stride + (kv_head * group + g) * q_head_stride, qf + g * D, D);
-    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* slot) {
-      load_row(slot + kv_head * head_dim, kf, D);
+    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const C* slot) {
+      load_row(slot + kv_head * row_stride, kf, D);
       for (int64_t g = 0; g < group; ++g) scores[g * n_keys + t] = dot(qf + g * D, kf, D) * scale;
     });
     for (int64_t g = 0; g < group; ++g) {
@@ -101,8 +115,8 @@ void attend_rows(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out
       for (int64_t t = 0; t < n_keys; ++t) s[t] *= inv;
     }
     std::fill(acc, acc + group * D, 0.0f);
-    for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* slot) {
-      load_row(slot + kv_head * head_dim, kf, D);
+    for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const C* slot) {
+      load_row(slot + kv_head * row_stride, kf, D);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * n_keys + t];
         float* a = acc + g * D;
@@ -126,14 +140,16 @@ constexpr int kMaxHeads = 64;
 // One sequence, every head: each cache slot (all KV heads of a token, contiguous) is read once, in
 // order, so the hardware prefetcher streams it. NV = head_dim / 16 vectors per row, a compile-time
 // constant so a K or V row stays in registers while every query head of its group uses it.
-template <typename T, int NV>
+template <typename T, typename C, int NV>
 void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
-                       const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t block_size,
+                       const C* k_cache, const C* v_cache, const int32_t* block_table, int64_t block_size,
                        int64_t num_kv_heads, int64_t num_heads, int64_t first_row, int64_t num_rows,
                        int64_t seq_len, float scale, std::vector<float>& scratch) {
   constexpr int D = NV * 16;
+  constexpr int64_t R = kv_row<C>(D);  // one head's row in a slot
+  constexpr bool kQuant = KvCode<C>::quantized;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * D;
+  const int64_t token_stride = num_kv_heads * R;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t row = first_row + r;
     const int64_t n_keys = seq_len - num_rows + r + 1;
@@ -146,14 +162,19 @@ void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, 
       for (int j = 0; j < NV; ++j) qv[h * NV + j] = _mm512_mul_ps(load16(qp + j * 16), _mm512_set1_ps(scale));
     }
     // Pass 1: scores = q . k for every key.
-    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* kb) {
+    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const C* kb) {
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const C* row = kb + kvh * R;
         __m512 kv[NV];
-        for (int j = 0; j < NV; ++j) kv[j] = load16(kb + kvh * D + j * 16);
+        for (int j = 0; j < NV; ++j) kv[j] = load16(row + j * 16);
         for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
           __m512 acc = _mm512_mul_ps(qv[h * NV], kv[0]);
           for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[h * NV + j], kv[j], acc);
           scores[h * padded + t] = _mm512_reduce_add_ps(acc);
+        }
+        if constexpr (kQuant) {  // q . (codes x s) = (q . codes) x s
+          const float s = kv_scale(row, D);
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) scores[h * padded + t] *= s;
         }
       }
     });
@@ -183,12 +204,14 @@ void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, 
     // Pass 2: out = sum_t p_t v_t, each V row loaded once for its whole group.
     __m512 acc[kMaxHeads * NV];
     for (int64_t i = 0; i < num_heads * NV; ++i) acc[i] = _mm512_setzero_ps();
-    for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const T* vb) {
+    for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const C* vb) {
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const C* row = vb + kvh * R;
         __m512 vv[NV];
-        for (int j = 0; j < NV; ++j) vv[j] = load16(vb + kvh * D + j * 16);
+        for (int j = 0; j < NV; ++j) vv[j] = load16(row + j * 16);
+        const float s = kQuant ? kv_scale(row, D) : 1.0f;  // p x (codes x s) = (p x s) x codes
         for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          const __m512 p = _mm512_set1_ps(scores[h * padded + t]);
+          const __m512 p = _mm512_set1_ps(kQuant ? scores[h * padded + t] * s : scores[h * padded + t]);
           for (int j = 0; j < NV; ++j) acc[h * NV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * NV + j]);
         }
       }
@@ -215,14 +238,16 @@ using tokenmill_cpu::load8;
 constexpr int64_t kTileRows = 4;
 
 // The AVX2 twin of attend_seq_avx512 (8 lanes), plus row tiling for prompt chunks. NV = head_dim / 8.
-template <typename T, int NV>
+template <typename T, typename C, int NV>
 void attend_seq_avx2(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
-                     const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t block_size,
+                     const C* k_cache, const C* v_cache, const int32_t* block_table, int64_t block_size,
                      int64_t num_kv_heads, int64_t num_heads, int64_t num_rows, int64_t first_row,
                      int64_t seq_len, float scale, std::vector<float>& scratch) {
   constexpr int D = NV * 8;
+  constexpr int64_t R = kv_row<C>(D);
+  constexpr bool kQuant = KvCode<C>::quantized;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * D;
+  const int64_t token_stride = num_kv_heads * R;
   for (int64_t r0 = 0; r0 < num_rows; r0 += kTileRows) {
     const int64_t tr = std::min(kTileRows, num_rows - r0);
     const int64_t n_first = seq_len - num_rows + r0 + 1;  // keys row r0 sees; row r0 + j sees n_first + j
@@ -241,17 +266,19 @@ void attend_seq_avx2(const T* q, int64_t q_row_stride, int64_t q_head_stride, T*
         for (int v = 0; v < NV; ++v) _mm256_storeu_ps(dst + v * 8, _mm256_mul_ps(load8(qp + v * 8), _mm256_set1_ps(scale)));
       }
     // Pass 1: scores = q . k for every key each row sees.
-    for_each_slot(k_cache, block_table, block_size, token_stride, n_last, [&](int64_t t, const T* kb) {
+    for_each_slot(k_cache, block_table, block_size, token_stride, n_last, [&](int64_t t, const C* kb) {
       const int64_t j0 = tr - std::min(tr, n_last - t);  // the first row that sees key t (causal)
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const C* row = kb + kvh * R;
         __m256 kv[NV];
-        for (int v = 0; v < NV; ++v) kv[v] = load8(kb + kvh * D + v * 8);
+        for (int v = 0; v < NV; ++v) kv[v] = load8(row + v * 8);
+        const float s = kQuant ? kv_scale(row, D) : 1.0f;
         for (int64_t j = j0; j < tr; ++j)
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
             const float* qh = qf + (j * num_heads + h) * D;
             __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), kv[0]);
             for (int v = 1; v < NV; ++v) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + v * 8), kv[v], a);
-            scores[(j * num_heads + h) * padded + t] = hsum8(a);
+            scores[(j * num_heads + h) * padded + t] = kQuant ? hsum8(a) * s : hsum8(a);
           }
       }
     });
@@ -282,14 +309,17 @@ void attend_seq_avx2(const T* q, int64_t q_row_stride, int64_t q_head_stride, T*
     }
     // Pass 2: out = sum_t p_t v_t, each V row loaded once for every row and head of its group.
     std::fill(acc, acc + heads * D, 0.0f);
-    for_each_slot(v_cache, block_table, block_size, token_stride, n_last, [&](int64_t t, const T* vb) {
+    for_each_slot(v_cache, block_table, block_size, token_stride, n_last, [&](int64_t t, const C* vb) {
       const int64_t j0 = tr - std::min(tr, n_last - t);
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const C* row = vb + kvh * R;
         __m256 vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = load8(vb + kvh * D + v * 8);
+        for (int v = 0; v < NV; ++v) vv[v] = load8(row + v * 8);
+        const float s = kQuant ? kv_scale(row, D) : 1.0f;
         for (int64_t j = j0; j < tr; ++j)
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-            const __m256 p = _mm256_set1_ps(scores[(j * num_heads + h) * padded + t]);
+            const float pr = scores[(j * num_heads + h) * padded + t];
+            const __m256 p = _mm256_set1_ps(kQuant ? pr * s : pr);
             float* a = acc + (j * num_heads + h) * D;
             for (int v = 0; v < NV; ++v) _mm256_storeu_ps(a + v * 8, _mm256_fmadd_ps(p, vv[v], _mm256_loadu_ps(a + v * 8)));
           }
@@ -319,6 +349,7 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
               "out, k_cache and v_cache must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
               "block_tables, query_start_loc and seq_lens must be contiguous");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "paged_attention_varlen: k_cache and v_cache dtypes differ");
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
@@ -331,11 +362,14 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
 
-  tokenmill_cpu::dispatch(q, "paged_attention_varlen", [&](auto tag) {
+  tokenmill_cpu::dispatch_kv(q, k_cache, "paged_attention_varlen", [&](auto tag, auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
+    TORCH_CHECK(k_cache.size(3) == kv_row<cache_t>(head_dim), "paged_attention_varlen: the cache rows hold ",
+                k_cache.size(3), " elements; head_dim ", head_dim, " needs ", kv_row<cache_t>(head_dim));
     const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const cache_t* kp = static_cast<const cache_t*>(k_cache.data_ptr());
+    const cache_t* vp = static_cast<const cache_t*>(v_cache.data_ptr());
     scalar_t* op = out.data_ptr<scalar_t>();
     // One work item per sequence (threads split the batch; this engine usually runs one).
     at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
@@ -352,31 +386,33 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
 #if defined(__AVX512F__)
         if (num_heads <= kMaxHeads && (head_dim == 64 || head_dim == 128)) {
           if (head_dim == 64)
-            attend_seq_avx512<scalar_t, 4>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
-                                           block_size, num_kv_heads, num_heads, first, rows, lens[s], fscale,
-                                           scratch);
+            attend_seq_avx512<scalar_t, cache_t, 4>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp,
+                                                    table, block_size, num_kv_heads, num_heads, first, rows, lens[s],
+                                                    fscale, scratch);
           else
-            attend_seq_avx512<scalar_t, 8>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
-                                           block_size, num_kv_heads, num_heads, first, rows, lens[s], fscale,
-                                           scratch);
+            attend_seq_avx512<scalar_t, cache_t, 8>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp,
+                                                    table, block_size, num_kv_heads, num_heads, first, rows, lens[s],
+                                                    fscale, scratch);
           continue;
         }
 #endif
 #if defined(TOKENMILL_AVX2)
         if (head_dim == 64 || head_dim == 128) {
           if (head_dim == 64)
-            attend_seq_avx2<scalar_t, 8>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
-                                         block_size, num_kv_heads, num_heads, rows, first, lens[s], fscale, scratch);
+            attend_seq_avx2<scalar_t, cache_t, 8>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp,
+                                                  table, block_size, num_kv_heads, num_heads, rows, first, lens[s],
+                                                  fscale, scratch);
           else
-            attend_seq_avx2<scalar_t, 16>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
-                                          block_size, num_kv_heads, num_heads, rows, first, lens[s], fscale, scratch);
+            attend_seq_avx2<scalar_t, cache_t, 16>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp,
+                                                   table, block_size, num_kv_heads, num_heads, rows, first, lens[s],
+                                                   fscale, scratch);
           continue;
         }
 #endif
         for (int64_t h = 0; h < num_kv_heads; ++h)
-          attend_rows<scalar_t>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
-                                block_size, num_kv_heads, head_dim, h, group, first, rows, lens[s], fscale,
-                                scratch);
+          attend_rows<scalar_t, cache_t>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp, table,
+                                         block_size, num_kv_heads, head_dim, h, group, first, rows, lens[s], fscale,
+                                         scratch);
       }
     });
   });
@@ -384,41 +420,55 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 
 // Writes this step's key/value rows [num_tokens, num_kv_heads, head_dim] into their cache slots (slot -1
-// skips the row). One op instead of the reference's per-layer compare, all() and two index_copy_ calls:
-// at decode batch sizes those small ops cost more than the copy (docs/engine.md, per-step overhead).
+// skips the row); an 8-bit cache gets each row's codes and scale (cpu_kv_quant.h). One op instead of the
+// reference's per-layer compare, all() and two index_copy_ calls: at decode batch sizes those small ops
+// cost more than the copy (docs/engine.md, per-step overhead).
 void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kv: caches must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "store_kv: slot_mapping must be contiguous int64");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
-              "store_kv: key/value dtype must equal the cache dtype");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: key and value, and k_cache and v_cache, must have one dtype each");
   const int64_t num_tokens = key.size(0);
-  const int64_t row = k_cache.size(2) * k_cache.size(3);  // num_kv_heads * head_dim
+  const int64_t row = k_cache.size(2) * k_cache.size(3);  // one slot: num_kv_heads rows
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(key.size(1) * key.size(2) == row && value.sizes() == key.sizes() &&
-                  slot_mapping.size(0) == num_tokens,
+  const int64_t heads = key.size(1), head_dim = key.size(2);
+  TORCH_CHECK(heads == k_cache.size(2) && value.sizes() == key.sizes() && slot_mapping.size(0) == num_tokens,
               "store_kv: key/value must be [num_tokens, num_kv_heads, head_dim] with one slot per row");
   // Each head's head_dim values are contiguous; heads may sit at any stride (q|k|v rows of one GEMM).
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
               "store_kv: key/value last dimension must be contiguous");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t heads = key.size(1), head_dim = key.size(2);
-  tokenmill_cpu::dispatch(key, "store_kv", [&](auto tag) {
+  tokenmill_cpu::dispatch_kv(key, k_cache, "store_kv", [&](auto tag, auto cache_tag) {
     using scalar_t = decltype(tag);
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    using cache_t = decltype(cache_tag);
+    constexpr bool quant = KvCode<cache_t>::quantized;
+    const int64_t width = kv_row<cache_t>(head_dim);
+    TORCH_CHECK(k_cache.size(3) == width, "store_kv: the cache rows hold ", k_cache.size(3), " elements; head_dim ",
+                head_dim, " needs ", width);
+    cache_t* kc = static_cast<cache_t*>(k_cache.data_ptr());
+    cache_t* vc = static_cast<cache_t*>(v_cache.data_ptr());
     const scalar_t* kp = key.data_ptr<scalar_t>();
     const scalar_t* vp = value.data_ptr<scalar_t>();
+    std::vector<float> buf(quant ? head_dim : 0);
+    // One head's row into its place in the slot: a copy, or its codes and scale.
+    auto put = [&](cache_t* dst, const scalar_t* src) {
+      if constexpr (quant) {
+        for (int64_t d = 0; d < head_dim; ++d) buf[d] = tokenmill_cpu::to_float(src[d]);
+        const float s = tokenmill_cpu::quantize_row(buf.data(), head_dim, dst);
+        std::memcpy(reinterpret_cast<char*>(dst + head_dim), &s, sizeof(s));
+      } else {
+        std::memcpy(dst, src, head_dim * sizeof(scalar_t));
+      }
+    };
     for (int64_t t = 0; t < num_tokens; ++t) {
       const int64_t s = slots[t];
       if (s < 0) continue;
       TORCH_CHECK(s < num_slots, "store_kv: slot ", s, " is outside the cache (", num_slots, " slots)");
       for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kc + s * row + h * head_dim, kp + t * key.stride(0) + h * key.stride(1),
-                    head_dim * sizeof(scalar_t));
-        std::memcpy(vc + s * row + h * head_dim, vp + t * value.stride(0) + h * value.stride(1),
-                    head_dim * sizeof(scalar_t));
+        put(kc + s * row + h * width, kp + t * key.stride(0) + h * key.stride(1));
+        put(vc + s * row + h * width, vp + t * value.stride(0) + h * value.stride(1));
       }
     }
   });

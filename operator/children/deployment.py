@@ -1,9 +1,10 @@
 """The Deployment of a single-node InferenceService: `replicas` engine pods, replaced one at a time."""
 
 from tokenmill.operator.children.meta import selector_labels, stamp, workload_metadata
-from tokenmill.operator.children.pod import pod_template, startup_timeout_seconds
+from tokenmill.operator.children.pod import pod_template
 from tokenmill.operator.plan.sizing import SizingPlan
 from tokenmill.operator.plan.spec import ServiceSpec
+from tokenmill.operator.plan.startup import startup_timeout_seconds
 
 
 def desired_deployment(spec: ServiceSpec, plan: SizingPlan, replicas: int, image: str,

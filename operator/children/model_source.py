@@ -4,7 +4,7 @@ cache that hf:// downloads go to, and the Hub environment (token, endpoint).
 Who downloads: the engine itself, at start, into HF_HOME on the cache volume (no init container). The
 engine's model source fetches only the files it loads, resumes a cut download and skips what the cache
 holds, so a second replica or a restart on a shared cache reads the weights without downloading them
-again. The startup probe's budget includes the download (pod.py's startup_timeout_seconds). The claim
+again. The startup probe's budget includes the download (plan/startup.py's startup_timeout_seconds). The claim
 the operator creates for the cache is cache_pvc.py's.
 """
 

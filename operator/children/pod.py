@@ -4,22 +4,21 @@
 import math
 
 from tokenmill.operator.children import model_source
+from tokenmill.operator.children.inferencepool import ENGINE_TYPE, ENGINE_TYPE_LABEL
+from tokenmill.operator.children.lora_config import lora_engine_args, lora_volumes
 from tokenmill.operator.children.meta import PORT, kueue_labels, labels
 from tokenmill.operator.plan.catalog import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TYPES
 from tokenmill.operator.plan.quota import parse_quantity
 from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_pod
 from tokenmill.operator.plan.spec import ServiceSpec
+from tokenmill.operator.plan.startup import startup_timeout_seconds
 
 ENGINE_UID = 1000  # the engine image's non-root user
 CACHE_DIR = "/cache"  # HOME and XDG_CACHE_HOME: GGUF conversions, Triton caches (per pod, emptyDir)
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tokenmill/tokenmill:0.1.0"
-# Startup budget: a fixed part (CUDA init, GGUF conversion, CUDA-graph capture) plus reading the
-# weights at a pessimistic 100 MB/s (network volumes); users can set engine.startupTimeoutSeconds.
-STARTUP_BASE_SECONDS = 600
-STARTUP_BYTES_PER_SECOND = 100e6
-# hf:// models may be downloaded first (an empty cache): the whole checkpoint at a pessimistic 50 MB/s.
-STARTUP_DOWNLOAD_BYTES_PER_SECOND = 50e6
-STARTUP_PROBE_PERIOD = 10
+# The startup probe is what turns a loaded engine into a Ready pod: probed every 2 s, a replica joins the
+# Service (and a woken scale-to-zero service answers its held request) within 2 s of loading, not 10.
+STARTUP_PROBE_PERIOD = 2
 # Probe paths on the engine's HTTP port. Readiness is what the Service routes on: /health answers 503
 # while the model loads or downloads, when the engine core is dead or stalled, and while draining.
 # Liveness (/live) restarts a wedged pod: 503 once the engine core has had work but made no step for
@@ -29,15 +28,6 @@ LIVENESS_PATH = "/live"
 # SIGTERM drains in-flight generations; the engine must finish (or abort) them before the kubelet kills.
 TERMINATION_GRACE_SECONDS = 120
 SHUTDOWN_GRACE_SECONDS = 110
-
-
-def startup_timeout_seconds(spec: ServiceSpec, plan: SizingPlan) -> int:
-    if spec.startup_timeout_seconds is not None:
-        return spec.startup_timeout_seconds
-    budget = STARTUP_BASE_SECONDS + math.ceil(plan.weights_bytes_per_gpu / STARTUP_BYTES_PER_SECOND)
-    if spec.model_scheme == "hf":
-        budget += math.ceil(plan.weights_bytes / STARTUP_DOWNLOAD_BYTES_PER_SECOND)
-    return budget
 
 
 def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
@@ -57,13 +47,15 @@ def engine_args(spec: ServiceSpec, plan: SizingPlan) -> list[str]:
         "--max-waiting-requests", str(spec.max_waiting_requests),
         "--shutdown-grace-period", str(SHUTDOWN_GRACE_SECONDS),
     ]
+    if plan.kv_cache_dtype != plan.dtype:  # an 8-bit cache: the bytes the plan counted (auto is the dtype's)
+        args += ["--kv-cache-dtype", plan.kv_cache_dtype]
     if gpus_per_pod(plan) > 1:
         args += ["--tensor-parallel-size", str(gpus_per_pod(plan))]
     if plan.pipeline_parallel_size > 1:
         args += ["--pipeline-parallel-size", str(plan.pipeline_parallel_size)]
     if not spec.enable_prefix_caching:
         args += ["--no-enable-prefix-caching"]
-    return args
+    return args + lora_engine_args(spec)
 
 
 def _node_affinity(spec: ServiceSpec) -> dict:
@@ -129,6 +121,9 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: s
     model_volumes, model_mounts = model_source.volumes(spec)
     volumes += model_volumes
     mounts += model_mounts
+    adapter_volumes, adapter_mounts = lora_volumes(spec)
+    volumes += adapter_volumes
+    mounts += adapter_mounts
 
     container = {
         "name": "engine",
@@ -181,7 +176,9 @@ def pod_template(spec: ServiceSpec, plan: SizingPlan, image: str, hf_endpoint: s
         if t.get(key):
             pod_spec[key] = t[key]
 
-    pod_labels = {**(t.get("labels") or {}), **labels(spec.name), **kueue_labels(spec)}
+    # The engine-type label tells an endpoint picker which metric names the engine speaks (vLLM's).
+    pod_labels = {**(t.get("labels") or {}), **labels(spec.name), ENGINE_TYPE_LABEL: ENGINE_TYPE,
+                  **kueue_labels(spec)}
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(PORT),

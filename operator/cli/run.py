@@ -11,6 +11,11 @@ import random
 import sys
 
 from tokenmill.operator.children.pod import DEFAULT_ENGINE_IMAGE
+from tokenmill.operator.children.router import (
+    DEFAULT_ENVOY_IMAGE,
+    DEFAULT_EPP_IMAGE,
+    EPP_CLUSTER_ROLE_DEFAULT,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,6 +37,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-endpoint", default=os.environ.get("HF_ENDPOINT") or None, metavar="URL",
                    help="Hugging Face Hub URL for hf:// models ($HF_ENDPOINT; default the public Hub): the "
                         "operator's own lookups use it and engine pods get it as HF_ENDPOINT")
+    p.add_argument("--epp-image", default=os.environ.get("TOKENMILL_EPP_IMAGE", DEFAULT_EPP_IMAGE),
+                   help="endpoint picker image of routed services (spec.routing) ($TOKENMILL_EPP_IMAGE)")
+    p.add_argument("--envoy-image", default=os.environ.get("TOKENMILL_ENVOY_IMAGE", DEFAULT_ENVOY_IMAGE),
+                   help="Envoy image of routed services without a Gateway ($TOKENMILL_ENVOY_IMAGE)")
+    p.add_argument("--epp-cluster-role", default=EPP_CLUSTER_ROLE_DEFAULT, metavar="NAME",
+                   help="the ClusterRole with the endpoint picker's rights (the chart's <release>-epp), bound to "
+                        "each router's ServiceAccount in its namespace; the operator needs `bind` on it")
     p.add_argument("--interval", type=float, default=15.0,
                    help="seconds between autoscaling and drift-correction passes per InferenceService")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -58,11 +70,13 @@ def main(argv: list[str]) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     from tokenmill.operator import handlers
+    from tokenmill.operator.children.router import RouterSettings
     from tokenmill.operator.reconcile import OperatorConfig
     from tokenmill.operator.self_metrics import serve as serve_metrics
 
     config = OperatorConfig(engine_image=args.engine_image, interval=args.interval,
-                            hf_endpoint=args.hf_endpoint.rstrip("/") if args.hf_endpoint else None)
+                            hf_endpoint=args.hf_endpoint.rstrip("/") if args.hf_endpoint else None,
+                            router=RouterSettings(args.epp_image, args.envoy_image, args.epp_cluster_role))
     priority = None
     if args.peering:
         # Kopf pauses every operator that sees a live peer of equal priority: replicas need distinct ones.

@@ -5,6 +5,7 @@ import json
 import sys
 
 import yaml
+from tokenmill.engine.kv_memory import KV_CACHE_DTYPES
 from tokenmill.operator.plan.catalog import (
     GPU_TYPES,
     MODEL_PROFILES,
@@ -34,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", required=True, choices=sorted(GPU_TYPES), help="GPU type")
     p.add_argument("--gpus", type=int, default=None, help="GPUs per replica (default: the fewest that fit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the engine's --kv-cache-dtype: auto (= dtype), int8, fp8 (e4m3), fp8_e5m2")
     p.add_argument("--max-model-len", default="auto", help="an integer or auto")
     p.add_argument("--max-num-seqs", default="auto", help="an integer or auto")
     p.add_argument("--block-size", type=int, default=16, choices=[16, 32])
@@ -84,7 +87,7 @@ def render(p: SizingPlan, profile: ModelProfile) -> str:
                 f"gpu_memory_utilization {p.gpu_memory_utilization:g})"),
         ("layout", f"TP {p.tensor_parallel_size} x PP {p.pipeline_parallel_size}, {p.nodes_per_replica} "
                    f"{'node' if p.nodes_per_replica == 1 else 'nodes (a LeaderWorkerSet group)'} per replica"),
-        ("dtype", p.dtype),
+        ("dtype", f"{p.dtype}, KV cache {p.kv_cache_dtype}"),
         ("weights", f"{gb(p.weights_bytes)} ({gb(p.weights_bytes_per_gpu)} per GPU)"),
         ("overhead", f"{gb(p.overhead_bytes)} per GPU (runtime, activations, sampler)"),
         ("kv cache", f"{gb(p.kv_cache_bytes)} per GPU, {p.kv_bytes_per_token} bytes/token per GPU"),
@@ -110,6 +113,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = EngineSettings(
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size,
             max_model_len=_auto_int(args.max_model_len, "--max-model-len"),
             max_num_seqs=_auto_int(args.max_num_seqs, "--max-num-seqs"),

@@ -1,8 +1,8 @@
-"""What the cluster holds for one InferenceService: its children, the workload it follows and its pods;
-and what stops the children being written (a name taken, the LeaderWorkerSet CRD missing, a Secret the
-pods read missing)."""
+"""What the cluster holds for one InferenceService: its children, the workload it follows and its pods
+(and its router's, observe/router.py); and what stops the children being written (a name taken, the
+LeaderWorkerSet or InferencePool CRD missing, a Secret the pods read missing)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.operator.children.leaderworkerset import (
     GROUP,
@@ -15,6 +15,7 @@ from tokenmill.operator.children.leaderworkerset import (
     not_installed_message,
 )
 from tokenmill.operator.children.meta import is_owned_by, selector_string
+from tokenmill.operator.observe.router import RouterLive, read_router, router_blocker
 from tokenmill.operator.observe.secrets import secret_problem
 from tokenmill.operator.plan.sizing import SizingPlan
 from tokenmill.operator.plan.spec import ServiceSpec
@@ -28,6 +29,7 @@ class Live:
     workload_kind: str  # the workload followed: Deployment or LeaderWorkerSet
     workload: dict | None  # that workload in a Deployment's shape; None when absent or not ours
     pods: list[dict]
+    router: RouterLive = field(default_factory=RouterLive)  # spec.routing's children, pods and Gateway
 
     @property
     def current(self) -> int | None:
@@ -47,7 +49,7 @@ def read_children(api, spec: ServiceSpec, sizing: SizingPlan | None, previous: d
     kind = KIND if multi or (was_multi and sizing is not None and not sizing.feasible) else "Deployment"
     workload = as_deployment(kind, objects.get(kind)) if kind not in foreign else None
     pods = api.list("Pod", spec.namespace, selector_string(spec.name))
-    return Live(multi, objects, foreign, kind, workload, pods)
+    return Live(multi, objects, foreign, kind, workload, pods, read_router(api, spec, previous))
 
 
 def first_blocker(api, spec: ServiceSpec, sizing: SizingPlan, live: Live) -> tuple[str, str] | None:
@@ -57,6 +59,9 @@ def first_blocker(api, spec: ServiceSpec, sizing: SizingPlan, live: Live) -> tup
         return "NameConflict", f"{kinds} already exists and is not owned by this InferenceService"
     if live.multi_node and live.workload is None and not api.has_resource(GROUP, VERSION, PLURAL):
         return "LeaderWorkerSetNotInstalled", not_installed_message(sizing)
+    routing = router_blocker(api, spec, live.router)
+    if routing is not None:
+        return routing
     secrets = ((spec.api_key_secret, "spec.apiKeySecretRef"), (spec.token_secret, "spec.model.tokenSecretRef"))
     for ref, where in secrets:
         problem = None if ref is None else secret_problem(api, spec.namespace, *ref, where)

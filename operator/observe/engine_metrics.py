@@ -32,8 +32,12 @@ def _add_sample(reading: PodReading, name: str, labels: dict, value: float) -> N
         reading.waiting += value
     elif name == mn.NUM_REQUESTS_RUNNING:
         reading.running += value
+    elif name == f"{mn.PROMPT_TOKENS}_total":
+        reading.prompt_tokens = (reading.prompt_tokens or 0.0) + value
     elif name in CAPACITY_GAUGES:
         reading.capacity[CAPACITY_GAUGES[name]] = value
+    elif name == mn.LORA_ADAPTER_INFO and labels.get("lora_name"):
+        reading.lora[labels["lora_name"]] = (labels.get("status", ""), labels.get("reason", ""))
     elif name == mn.CACHE_CONFIG_INFO:
         for label, key in (("num_gpu_blocks", "kvBlocks"), ("block_size", "blockSize")):
             if labels.get(label) not in (None, "", "None"):

@@ -31,15 +31,17 @@ class ScaleDecision:
 
 
 def raw_recommendation(
-    queue_depths: dict[str, float], ready_pods: list[str], current: int, target: int, scaling: ScalingSpec
+    queue_depths: dict[str, float], ready_pods: list[str], current: int, target: int, scaling: ScalingSpec,
+    held: float = 0.0,
 ) -> int:
-    """ceil(total queue depth / target), clamped to [min, max].
+    """ceil(total queue depth / target), clamped to [min, max]; `held`: requests the router holds (routed
+    services), demand no engine has seen yet.
 
     Ready pods that did not report count as idle when that would scale up, and as exactly at target
     when that would scale down: a missing reading can never cause a scale in either direction by itself.
     """
     missing = len([p for p in ready_pods if p not in queue_depths])
-    total = sum(queue_depths.values())
+    total = sum(queue_depths.values()) + held
     up = math.ceil(total / target)
     if up > current:
         wanted = up
@@ -86,8 +88,10 @@ def decide(
     history: tuple[Recommendation, ...],
     now: float,
     stale_after: float = STALE_AFTER_SECONDS,
+    held: float = 0.0,
 ) -> ScaleDecision:
-    """readings: pod -> (queue depth, sample time or None). `current` is the Deployment's replicas."""
+    """readings: pod -> (queue depth, sample time or None). `current` is the Deployment's replicas; `held`:
+    requests the router's flow control holds (routed services)."""
     floor_only = max(scaling.min_replicas, min(scaling.max_replicas, current))
 
     def hold(reason: str, message: str) -> ScaleDecision:
@@ -111,13 +115,15 @@ def decide(
                         f"older than {stale_after:g}s")
         return hold("MetricsMissing", f"none of the {len(ready_pods)} ready pods reported "
                     "vllm:num_requests_waiting and vllm:num_requests_running")
-    raw = raw_recommendation(fresh, ready_pods, current, target, scaling)
+    raw = raw_recommendation(fresh, ready_pods, current, target, scaling, held)
     replicas, new_history = stabilize(
         history, raw, current, now, scaling.scale_up_stabilization_seconds, scaling.scale_down_stabilization_seconds
     )
-    total = sum(fresh.values())
+    total = sum(fresh.values()) + held
     missing = [p for p in ready_pods if p not in fresh]
-    text = f"queue depth {total:g} over {len(fresh)} reporting pods, target {target} per replica: recommend {raw}"
+    routed = f" (+{held:g} held by the router)" if held else ""
+    text = (f"queue depth {total:g}{routed} over {len(fresh)} reporting pods, target {target} per replica: "
+            f"recommend {raw}")
     if replicas != raw:
         text += f", stabilized at {replicas}"
     if missing:

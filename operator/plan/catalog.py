@@ -9,6 +9,8 @@ and the parameter count of its safetensors index.
 import re
 from dataclasses import dataclass, field, fields
 
+from tokenmill.engine import quant_memory
+
 MIB = 1 << 20
 
 
@@ -20,6 +22,8 @@ class GPUType:
     # GPUs on one node of the largest common shape (p5/a3/ND H100 v5: 8; g5/g6.48xlarge and g2-96: 8).
     # A replica needing more runs as one pod per node (tensor parallel inside, pipeline parallel across).
     gpus_per_node: int = 8
+    # CUDA compute capability: which KV cache dtypes the engine runs on it (kv_memory.kv_cache_dtype_fits_gpu).
+    compute_capability: tuple[int, int] = (8, 0)
 
     @property
     def memory_bytes(self) -> int:
@@ -29,12 +33,12 @@ class GPUType:
 GPU_TYPES: dict[str, GPUType] = {
     gpu.name: gpu
     for gpu in (
-        GPUType("nvidia-a10g", 23028, ("NVIDIA-A10G",)),
-        GPUType("nvidia-l4", 23034, ("NVIDIA-L4",)),
-        GPUType("nvidia-a100-40gb", 40960, ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB")),
-        GPUType("nvidia-a100-80gb", 81920, ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")),
-        GPUType("nvidia-h100-80gb", 81559, ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe")),
-        GPUType("nvidia-h200-141gb", 143771, ("NVIDIA-H200", "NVIDIA-H200-NVL")),
+        GPUType("nvidia-a10g", 23028, ("NVIDIA-A10G",), compute_capability=(8, 6)),
+        GPUType("nvidia-l4", 23034, ("NVIDIA-L4",), compute_capability=(8, 9)),
+        GPUType("nvidia-a100-40gb", 40960, ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"), compute_capability=(8, 0)),
+        GPUType("nvidia-a100-80gb", 81920, ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"), compute_capability=(8, 0)),
+        GPUType("nvidia-h100-80gb", 81559, ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"), compute_capability=(9, 0)),
+        GPUType("nvidia-h200-141gb", 143771, ("NVIDIA-H200", "NVIDIA-H200-NVL"), compute_capability=(9, 0)),
     )
 }
 
@@ -59,6 +63,10 @@ class ModelProfile:
     tie_word_embeddings: bool = False
     aliases: tuple[str, ...] = field(default=(), compare=False)
     source: str = "catalog"  # catalog | spec | catalog+spec | hub | hub+spec | config.json | file
+    # "awq" or "gptq" with its group size ("awq-g128"): int4 projections (config.json's quantization_config);
+    # "" for weights stored as they are served. Sizing counts its bytes with quant_memory (sizing.py).
+    quantization: str = ""
+    attention_bias: bool = False  # Q, K and V biases (Qwen2): part of the parameter count
 
 
 MODEL_PROFILES: dict[str, ModelProfile] = {
@@ -205,6 +213,7 @@ def _complete(values: dict, name: str, source: str, attention_bias: bool = False
             v["num_hidden_layers"], v["hidden_size"], v["num_attention_heads"], v["num_key_value_heads"],
             v["head_dim"], v["intermediate_size"], v["vocab_size"], v["tie_word_embeddings"], attention_bias,
         )
+    v["attention_bias"] = attention_bias
     own = ("name", "source", "aliases")
     kwargs = {f.name: v[f.name] for f in fields(ModelProfile) if f.name in v and f.name not in own}
     return ModelProfile(name=name, source=source, **kwargs)
@@ -215,7 +224,12 @@ def profile_from_hf_config(config: dict, name: str = "model", num_parameters: in
     """A profile from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 style); the parameter
     count is estimated from the shape unless given (the Hub's safetensors metadata has it)."""
     values = {f: config.get(f) for f in SPEC_KEYS if f != "num_parameters"}
-    values["num_parameters"] = num_parameters
+    group = quant_memory.int4_group_size(config)
+    # An AWQ / GPTQ checkpoint's safetensors count holds eight int4 weights per int32 element: the shape
+    # says how many weights there are.
+    values["num_parameters"] = num_parameters if group is None else None
+    if group is not None:
+        values["quantization"] = f"{config['quantization_config']['quant_method'].lower()}-g{group}"
     # Qwen2 has biases on Q, K and V; Llama-style configs say so with attention_bias.
     bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
     return _complete(values, name, source, attention_bias=bias)
@@ -250,3 +264,13 @@ def _shape_changed(base: ModelProfile, values: dict) -> bool:
     shape = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "intermediate_size", "vocab_size", "tie_word_embeddings")
     return any(values.get(k) != getattr(base, k) for k in shape)
+
+
+def profile_config(p: ModelProfile) -> dict:
+    """The config.json fields of a profile, as engine/quant_memory.py reads them (its quantization too)."""
+    config = {f: getattr(p, f) for f in SPEC_KEYS if f != "num_parameters"}
+    config["attention_bias"] = p.attention_bias
+    if p.quantization:
+        method, group = p.quantization.split("-g")
+        config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": int(group)}
+    return config

@@ -115,6 +115,10 @@ class Facts:
     admitted: Condition | None = None
     scaling_limited: Condition | None = None
     kueue_holding: bool = False
+    # spec.routing (plan/routing.py): Routed, and what stalls it (a Gateway that is missing or refuses).
+    routed: Condition | None = None
+    route_stall: tuple[str, str] | None = None
+    scaled_to_zero: Condition | None = None  # minReplicas 0 (plan/scale_to_zero.py)
 
 
 def compute_conditions(f: Facts) -> list[Condition]:
@@ -122,6 +126,10 @@ def compute_conditions(f: Facts) -> list[Condition]:
     if f.admitted is not None:
         out.append(f.admitted)
         out.append(f.scaling_limited or Condition("ScalingLimited", "False", "NotSized", "nothing to scale yet"))
+    if f.routed is not None:
+        out.append(f.routed)
+    if f.scaled_to_zero is not None:
+        out.append(f.scaled_to_zero)
     return out
 
 
@@ -142,6 +150,7 @@ def _core_conditions(f: Facts) -> list[Condition]:
         stalled = ("QuotaExhausted", f.quota.message)
     if stalled is None and r is not None and r.pod_blocked:
         stalled = ("PodsBlocked", r.pod_problem)
+    stalled = stalled or f.route_stall
     queued = f.kueue_holding and r is not None and r.ready < r.needed
     if stalled is None and r is not None and r.deadline_exceeded and not queued:
         stalled = ("ProgressDeadlineExceeded", r.deadline_exceeded + (f"; {r.pod_problem}" if r.pod_problem else ""))
@@ -157,6 +166,8 @@ def _core_conditions(f: Facts) -> list[Condition]:
 
     c["Stalled"] = Condition("Stalled", "False", "NotStalled", "nothing blocks progress")
     progress = _progress(r)
+    if progress is None and f.routed is not None and f.routed.status != "True":
+        progress = (f.routed.reason, f.routed.message)  # the endpoint clients use is not serving yet
     if queued and f.admitted is not None:
         # Waiting in a queue is progress (kstatus InProgress), not a failure: Kueue admits it when GPUs free up.
         progress = ("QueuedByKueue", f"{r.ready}/{r.desired} replicas ready; {f.admitted.message}")
@@ -165,7 +176,10 @@ def _core_conditions(f: Facts) -> list[Condition]:
         c["Ready"] = Condition("Ready", "False", progress[0], progress[1])
     else:
         c["Reconciling"] = Condition("Reconciling", "False", "Reconciled", "children match the spec")
-        if r.desired == 0:
+        if r.desired == 0 and f.scaled_to_zero is not None:
+            c["Ready"] = Condition("Ready", "True", "ScaledToZero",
+                                   f"0 replicas (idle): requests to {f.endpoint} wait in the router while one starts")
+        elif r.desired == 0:
             c["Ready"] = Condition("Ready", "True", "ScaledToZero", "0 replicas requested")
         else:
             scaling = " (scaling up)" if r.ready < r.desired else ""

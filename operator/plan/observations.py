@@ -41,6 +41,9 @@ class PodReading:
     running: float = 0.0
     timestamp: float | None = None  # sample time (Prometheus); None = read just now
     capacity: dict = field(default_factory=dict)  # status.sizing.measured keys
+    prompt_tokens: float | None = None  # vllm:prompt_tokens_total (pod scrapes): a change is a request
+    # tokenmill:lora_adapter_info (pod scrapes): adapter name -> (loaded | failed, the failure's reason)
+    lora: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def queue_depth(self) -> float:
@@ -55,3 +58,6 @@ class EngineReadings:
     readings: dict[str, PodReading] = field(default_factory=dict)  # by pod name, or TOTAL
     error: str | None = None  # why nothing could be read (Prometheus down, ...)
     measured: dict = field(default_factory=dict)  # the capacity they report, as status.sizing.measured
+    # Routed services: the requests the router's flow control holds (None: no router, or unreadable).
+    router_queue: float | None = None
+    router_error: str | None = None

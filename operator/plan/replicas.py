@@ -6,6 +6,8 @@ The stabilization rule itself is autoscaler.py's; this module gathers its inputs
 the recommendation history kept in status) and turns the outcome into conditions.
 """
 
+import dataclasses
+import datetime
 from dataclasses import dataclass
 
 from tokenmill.operator.plan import autoscaler
@@ -13,6 +15,7 @@ from tokenmill.operator.plan.conditions import Condition
 from tokenmill.operator.plan.kueue import Admission, queue_cap
 from tokenmill.operator.plan.observations import TOTAL, EngineReadings
 from tokenmill.operator.plan.quota import QuotaCap, cap_replicas
+from tokenmill.operator.plan.scale_to_zero import Readings, ZeroDecision, ZeroState, decide_zero
 from tokenmill.operator.plan.sizing import REFERENCE_SEQUENCE_TOKENS, SizingPlan, gpus_per_replica
 from tokenmill.operator.plan.spec import ServiceSpec
 
@@ -41,17 +44,30 @@ class ReplicaPlan:
     decision: autoscaler.ScaleDecision | None  # the autoscaler's, when it decided this pass
     why: str  # what an event about a change of size says
     limited: Condition | None = None  # ScalingLimited, for a service in a Kueue queue
+    zero: ZeroDecision | None = None  # scale to zero (minReplicas 0), when decided this pass
+    held: float | None = None  # requests the router's flow control held at this pass's reading
 
 
 def plan_replicas(spec: ServiceSpec, sizing: SizingPlan, *, current: int | None, engines: EngineReadings,
                   measured: dict | None, previous: dict, history: tuple[autoscaler.Recommendation, ...],
                   quotas: list[dict], pods: list[dict], interval: float, stale_after: float, autoscale: bool,
-                  now: float, queue: Admission | None = None) -> ReplicaPlan:
+                  now: float, queue: Admission | None = None, zero_state: ZeroState | None = None) -> ReplicaPlan:
     """`current`: the workload's replicas (None before it exists); `previous`: the status last written,
     `history` its recommendations; `pods`: this service's pods, whose GPUs count as its own headroom;
-    `queue`: Kueue's admission of them, when the service is in a Kueue queue."""
+    `queue`: Kueue's admission of them, when the service is in a Kueue queue; `zero_state`: what
+    status.scaling keeps for scale to zero (minReplicas 0)."""
     wanted, scaling, decision = decide_replicas(spec, sizing, current, engines, measured, previous, history,
                                                 interval, stale_after, autoscale, now)
+    zero = None
+    if spec.scaling is not None and spec.scaling.min_replicas == 0 and autoscale and current is not None:
+        zero = decide_zero(spec.scaling.idle_seconds, current, zero_readings(engines), zero_state or ZeroState(),
+                           decision is not None and decision.reason == "MetricsAvailable", now)
+        if zero.replicas is not None:
+            wanted = zero.replicas
+            if zero.replicas == 1 and current == 0:
+                scaling = Condition("ScalingActive", "True", "WakingFromZero", zero.why)
+            elif zero.replicas == 0 and current > 0:
+                scaling = Condition("ScalingActive", "True", "Idle", zero.why)
     per_replica = gpus_per_replica(sizing)
     cap = cap_replicas(wanted, per_replica, quotas, pods, spec.template.get("priorityClassName"))
     replicas = wanted if cap.max_replicas is None else min(wanted, cap.max_replicas)
@@ -65,7 +81,51 @@ def plan_replicas(spec: ServiceSpec, sizing: SizingPlan, *, current: int | None,
             # No autoscaling decision this pass (a watch event): the last decision's condition stands, as
             # ScalingActive's does, rather than flapping between passes.
             limited = Condition("ScalingLimited", kept["status"], kept.get("reason", ""), kept.get("message", ""))
-    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, why, limited)
+    if zero is not None and zero.why and not cap.limited:
+        why = zero.why
+    return ReplicaPlan(replicas, scaling, quota_condition(cap), decision, why, limited, zero, engines.router_queue)
+
+
+def zero_readings(engines: EngineReadings) -> Readings:
+    """What scale to zero reads from one pass (plan/scale_to_zero.py): engines_busy and prompt_tokens are
+    None unless every ready pod was read."""
+    pods = [r for name, r in engines.readings.items() if name != TOTAL]
+    ready_times = _ready_times(engines.ready)
+    complete = engines.error is None and TOTAL not in engines.readings and len(pods) == len(engines.ready)
+    busy = any(r.queue_depth > 0 for r in engines.readings.values())
+    tokens = [r.prompt_tokens for r in pods if r.prompt_tokens is not None]
+    return Readings(engines_busy=busy or (None if not complete else False),
+                    prompt_tokens=sum(tokens) if complete and pods and len(tokens) == len(pods) else None,
+                    router_queue=engines.router_queue, ready=len(engines.ready),
+                    first_ready_at=min(ready_times.values()) if ready_times else None,
+                    pod_start_seconds=_newest_start(engines.ready, ready_times))
+
+
+def _time(text: str | None) -> float | None:
+    try:
+        return datetime.datetime.strptime(text or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def _ready_times(pods: list[dict]) -> dict[str, float]:
+    """Pod name -> when it became Ready (its condition's lastTransitionTime)."""
+    out = {}
+    for pod in pods:
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "Ready" and c.get("status") == "True":
+                at = _time(c.get("lastTransitionTime"))
+                if at is not None:
+                    out[pod["metadata"]["name"]] = at
+    return out
+
+
+def _newest_start(pods: list[dict], ready_times: dict[str, float]) -> float | None:
+    """Creation to Ready of the newest ready pod: how long a replica took to start, the last time one did."""
+    starts = [(ready_times[name], ready_times[name] - created) for p in pods
+              if (name := p["metadata"]["name"]) in ready_times
+              and (created := _time(p["metadata"].get("creationTimestamp"))) is not None]
+    return max(starts)[1] if starts else None
 
 
 def limit_by_queue(spec: ServiceSpec, queue: Admission, per_replica: int, wanted: int, replicas: int,
@@ -105,6 +165,16 @@ def decide_replicas(spec: ServiceSpec, sizing: SizingPlan, current: int | None, 
     s = spec.scaling
     tgt = target(spec, sizing, measured)
     clamped = None if current is None else max(s.min_replicas, min(s.max_replicas, current))
+    if s.min_replicas == 0:
+        # Scale to zero is plan/scale_to_zero.py's (idleSeconds, the router's queue); the queue-depth
+        # autoscaler works from 1 replica up, and a new service starts at 1 (its first load is measured).
+        if current is None:
+            return 1, Condition("ScalingActive", "False", "WaitingForMetrics",
+                                "starting at 1 replica; it goes to 0 after idleSeconds without a request"), None
+        if current == 0:
+            return 0, Condition("ScalingActive", "True", "ScaledToZero",
+                                "0 replicas: the router's queue is read every second and wakes the service"), None
+        s = dataclasses.replace(s, min_replicas=1)
     prev_cond = next((c for c in previous.get("conditions") or [] if c.get("type") == "ScalingActive"), None)
     if current is None or not autoscale:
         if prev_cond and prev_cond.get("reason") not in ("FixedReplicas", "NotSized"):
@@ -123,7 +193,7 @@ def decide_replicas(spec: ServiceSpec, sizing: SizingPlan, current: int | None, 
     else:
         per_pod = {pod: (r.queue_depth, r.timestamp) for pod, r in engines.readings.items()}
         decision = autoscaler.decide(s, current, [p["metadata"]["name"] for p in engines.ready], per_pod, tgt,
-                                     history, now, stale_after)
+                                     history, now, stale_after, held=engines.router_queue or 0.0)
     cond = Condition("ScalingActive", "True" if decision.active else "False", decision.reason, decision.message)
     return decision.replicas, cond, decision
 

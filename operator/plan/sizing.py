@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass, replace
 
 from tokenmill.engine import kv_memory as kvm
 from tokenmill.engine import load_memory as lm
+from tokenmill.engine import quant_memory
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.lora_memory import lora_slot_bytes
 from tokenmill.engine.parallel_check import tp_fits_model
-from tokenmill.operator.plan.catalog import GPU_TYPES, GPUType, ModelProfile
+from tokenmill.operator.plan.catalog import GPU_TYPES, GPUType, ModelProfile, profile_config
 
 # Tensor parallel stays inside one node: eight GPUs is the largest node shape in the catalog's clouds.
 MAX_TENSOR_PARALLEL_SIZE = 8
@@ -34,10 +36,14 @@ MAX_NUM_BATCHED_TOKENS = EngineConfig().max_num_batched_tokens
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     dtype: str = "auto"  # auto = bfloat16 on GPUs
+    kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype: auto = dtype; int8, fp8 (e4m3), fp8_e5m2
     block_size: int = 16
     max_model_len: int | None = None  # None = auto
     max_num_seqs: int | None = None  # None = auto
     gpu_memory_utilization: float = 0.9
+    # spec.model.lora: adapter slots (--max-loras) of rank --max-lora-rank; 0: no adapters
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +51,10 @@ class SizingPlan:
     model: str
     gpu_type: str
     feasible: bool
-    reason: str  # Fits | WeightsDoNotFit | KVCacheTooSmall | MaxModelLenTooLarge | InvalidGPUCount
+    reason: str  # Fits | WeightsDoNotFit | KVCacheTooSmall | MaxModelLenTooLarge | InvalidGPUCount | KVCacheDtypeUnsupported
     message: str
     dtype: str
+    kv_cache_dtype: str  # resolved (kv_memory.resolve_kv_cache_dtype): what each KV byte count below is of
     gpus_per_replica: int  # every GPU of every pod of one replica: TP x PP
     tensor_parallel_size: int  # GPUs per pod (inside one node)
     pipeline_parallel_size: int  # stages, one pod (node) each
@@ -67,6 +74,7 @@ class SizingPlan:
     max_position_embeddings: int
     target_queue_depth: int  # waiting + running requests one replica serves without queueing
     host_memory_bytes: int  # per pod: what its processes hold at the load's peak (load_memory.py)
+    lora_slot_bytes: int = 0  # per GPU: the LoRA adapter slots (engine/lora_memory.py), left out of the KV budget
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -207,8 +215,8 @@ def _plan_at(
     profile: ModelProfile, gpu: GPUType, settings: EngineSettings, dtype: str, tp: int, pp: int = 1
 ) -> SizingPlan:
     bs = settings.block_size
-    weights = kvm.weights_bytes(profile.num_parameters, dtype)
-    weights_gpu = kvm.weights_bytes(stage_parameters(profile, pp), dtype, tp)
+    weights = held_weights_bytes(profile, dtype)
+    weights_gpu = -(-weights * stage_parameters(profile, pp) // profile.num_parameters // tp)
     seqs_for_overhead = settings.max_num_seqs or MAX_NUM_SEQS_CAP
     activations = kvm.activation_peak_bytes(
         MAX_NUM_BATCHED_TOKENS, profile.hidden_size, profile.intermediate_size, profile.num_attention_heads,
@@ -218,9 +226,18 @@ def _plan_at(
     # counted on every stage, which is conservative for all but the last.
     sampler = kvm.sampler_peak_bytes(seqs_for_overhead, profile.vocab_size)
     overhead = kvm.non_kv_overhead_bytes(activations, sampler, tp * pp)
-    budget = kvm.kv_cache_budget_bytes(gpu.memory_bytes, settings.gpu_memory_utilization, weights_gpu, overhead)
+    lora = 0
+    if settings.max_loras:  # the engine's own function: its slots are allocated before its KV pool is sized
+        lora = lora_slot_bytes(
+            profile.num_hidden_layers, profile.hidden_size, profile.num_attention_heads, profile.num_key_value_heads,
+            profile.head_dim, profile.intermediate_size, settings.max_loras, settings.max_lora_rank, dtype, tp, pp,
+        )  # fmt: skip
+    budget = kvm.kv_cache_budget_bytes(
+        gpu.memory_bytes, settings.gpu_memory_utilization, weights_gpu, overhead + lora
+    )
+    kv_dtype = kvm.resolve_kv_cache_dtype(settings.kv_cache_dtype, dtype)
     per_token = kvm.kv_bytes_per_token(
-        layers_per_stage(profile, pp), profile.num_key_value_heads, profile.head_dim, dtype, tp
+        layers_per_stage(profile, pp), profile.num_key_value_heads, profile.head_dim, kv_dtype, tp
     )
     blocks = kvm.num_kv_blocks(budget, bs, per_token)
     tokens = blocks * bs
@@ -233,7 +250,7 @@ def _plan_at(
     max_num_seqs = settings.max_num_seqs or min(MAX_NUM_SEQS_CAP, max(1, concurrency))
     result = SizingPlan(
         model=profile.name, gpu_type=gpu.name, feasible=True, reason="Fits", message="", dtype=dtype,
-        gpus_per_replica=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp, nodes_per_replica=pp,
+        kv_cache_dtype=kv_dtype, gpus_per_replica=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp, nodes_per_replica=pp,
         gpu_memory_bytes=gpu.memory_bytes,
         gpu_memory_utilization=settings.gpu_memory_utilization, weights_bytes=weights,
         weights_bytes_per_gpu=weights_gpu, overhead_bytes=overhead, kv_cache_bytes=blocks * bs * per_token,
@@ -241,11 +258,21 @@ def _plan_at(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_position_embeddings=profile.max_position_embeddings,
         target_queue_depth=max(1, min(max_num_seqs, concurrency)),
-        host_memory_bytes=host_memory_bytes(profile, tp),
+        # Each rank also keeps CPU_LORAS_PER_SLOT x maxAdapters adapters in host memory (their slot layout).
+        host_memory_bytes=host_memory_bytes(profile, tp) + tp * CPU_LORAS_PER_SLOT * lora,
+        lora_slot_bytes=lora,
     )
     usable = budget + weights_gpu + overhead
     where = f"{tp} x {gpu.name}" if pp == 1 else f"{pp} nodes x {tp} x {gpu.name} (TP {tp} x PP {pp})"
     many = tp * pp > 1
+    if not kvm.kv_cache_dtype_fits_gpu(kv_dtype, gpu.compute_capability):
+        have, need = gpu.compute_capability, kvm.FP8_MIN_CUDA_CAPABILITY
+        return result.with_reason(
+            "KVCacheDtypeUnsupported",
+            f"kvCacheDtype {settings.kv_cache_dtype} ({kv_dtype}) needs fp8 conversions, compute capability "
+            f"{need[0]}.{need[1]} or newer; {gpu.name} is {have[0]}.{have[1]}: use kvCacheDtype int8 (half the bytes "
+            "too) or auto",
+        )
     if budget < bs * per_token:
         per_gpu = f" ({gb(weights_gpu)} per GPU)" if many else ""
         return result.with_reason(
@@ -260,24 +287,46 @@ def _plan_at(
         return result.with_reason(
             "KVCacheTooSmall",
             f"{where} leaves {gb(budget)} per GPU for {profile.name}'s KV cache after {gb(weights_gpu)} of "
-            f"weights and {gb(overhead)} of overhead: {tokens} tokens ({blocks} blocks x {bs}, "
+            f"weights and {gb(overhead)} of overhead{_lora_words(lora)}: {tokens} tokens ({blocks} blocks x {bs}, "
             f"{per_token} bytes/token); maxModelLen {max_model_len} needs {needed * bs}",
         )
     if settings.max_model_len is None and max_model_len < floor:
         return result.with_reason(
             "KVCacheTooSmall",
             f"{where} leaves {gb(budget)} per GPU for {profile.name}'s KV cache after {gb(weights_gpu)} of "
-            f"weights and {gb(overhead)} of overhead: {tokens} tokens, under the {floor} that "
+            f"weights and {gb(overhead)} of overhead{_lora_words(lora)}: {tokens} tokens, under the {floor} that "
             f"maxModelLen auto needs",
         )
     return replace(
         result,
         message=(
-            f"{where} per replica: {gb(weights_gpu)} weights + {gb(overhead)} overhead + {gb(result.kv_cache_bytes)} "
+            f"{where} per replica: {gb(weights_gpu)} weights + {gb(overhead)} overhead + "
+            + (f"{gb(lora)} LoRA slots ({settings.max_loras} adapters of rank {settings.max_lora_rank}) + " if lora else "")
+            + f"{gb(result.kv_cache_bytes)} "
             f"KV cache per GPU; {tokens} KV tokens ({blocks} blocks x {bs}), maxModelLen {max_model_len}, "
             f"maxNumSeqs {max_num_seqs}"
         ),
     )
+
+
+def held_weights_bytes(profile: ModelProfile, dtype: str) -> int:
+    """The whole model's weights as an engine on a GPU holds them: the engine's own count
+    (engine/quant_memory.py, which its plan and `serve --check` print), so both size a quantized model
+    alike. An AWQ / GPTQ model is dequantized to `dtype` on a GPU (no GPU codes kernels yet), so its
+    bytes are its parameters', counted from its shape rather than from its packed int32 tensors."""
+    if not profile.quantization:
+        return kvm.weights_bytes(profile.num_parameters, dtype)
+    codes = quant_memory.codes_held("cuda", dtype, 1, bf16_dot=False)
+    return quant_memory.config_weights(profile_config(profile), dtype, codes).loaded_bytes
+
+
+# The engine's --max-cpu-loras per adapter slot (children/lora_config.py passes it): host memory for twice
+# the slots, so a request for an adapter beyond the running ones queues for a slot instead of being refused.
+CPU_LORAS_PER_SLOT = 2
+
+
+def _lora_words(lora_bytes: int) -> str:
+    return f" and {gb(lora_bytes)} of LoRA adapter slots" if lora_bytes else ""
 
 
 def host_memory_bytes(profile: ModelProfile, ranks_per_pod: int) -> int:

@@ -8,8 +8,9 @@ instead of a crash. The defaults here are the CRD's defaults (a test keeps them 
 import re
 from dataclasses import dataclass, field
 
+from tokenmill.engine import kv_memory
 from tokenmill.operator.plan.catalog import GPU_TYPES
-from tokenmill.operator.plan.sizing import EngineSettings
+from tokenmill.operator.plan.sizing import EngineSettings, resolve_dtype
 
 GROUP = "serving.tokenmill.dev"
 VERSION = "v1alpha1"
@@ -31,9 +32,14 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 KUEUE_GATE = "kueue.x-k8s.io/admission"  # the scheduling gate Kueue's pod webhook puts on each pod it holds
 HF_URI = re.compile(r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$")
 CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
+# The CRD's CEL rule says the same.
+SCALE_TO_ZERO_NEEDS_ROUTING = (
+    "scaling.minReplicas 0 (scale to zero) needs spec.routing.enabled: true: the router's endpoint picker holds "
+    "requests while a replica starts; without it a request to a service at 0 replicas has nowhere to wait")
 
 DEFAULTS = {
     "engine.dtype": "auto",
+    "engine.kvCacheDtype": "auto",
     "engine.blockSize": 16,
     "engine.maxModelLen": "auto",
     "engine.maxNumSeqs": "auto",
@@ -43,13 +49,19 @@ DEFAULTS = {
     "resources.cpu": "4",
     "resources.memory": "32Gi",
     "scaling.minReplicas": 1,
+    "scaling.idleSeconds": 300,
     "scaling.targetQueueDepth": "auto",
     "scaling.scaleUpStabilizationSeconds": 0,
     "scaling.scaleDownStabilizationSeconds": 300,
     "scaling.metrics.source": "pods",
     "apiKeySecretRef.key": "api-key",
     "model.tokenSecretRef.key": "HF_TOKEN",
+    "routing.enabled": False,
+    "model.lora.maxRank": 16,
+    "model.lora.maxAdapters": 4,
 }
+LORA_NAME = re.compile(r"^[^,\s]{1,256}$")  # the CRD's pattern: vllm:lora_requests_info lists names comma-joined
+LORA_SCHEMES = ("pvc", "hf", "file")
 
 
 class SpecError(ValueError):
@@ -66,6 +78,36 @@ class ScalingSpec:
     metrics_source: str  # pods | prometheus
     prometheus_url: str | None = None
     prometheus_query: str | None = None
+    # With minReplicas 0 (routing only): seconds without a request before the service goes to 0 replicas.
+    idle_seconds: int = 300
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """spec.routing: an InferencePool and its endpoint picker in front of the engine pods, reached through
+    the named Gateway (an HTTPRoute) or, with none named, the operator's own Envoy (standalone)."""
+
+    gateway_name: str | None = None
+    gateway_namespace: str | None = None  # None: the service's namespace
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    name: str
+    uri: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASpec:
+    """spec.model.lora (KServe's names): the adapters, and the engine's slots for them."""
+
+    adapters: tuple[LoRAAdapter, ...]
+    max_rank: int  # --max-lora-rank
+    max_adapters: int  # --max-loras
+
+    @property
+    def hub(self) -> bool:
+        return any(a.uri.startswith("hf://") for a in self.adapters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +143,8 @@ class ServiceSpec:
     api_key_secret: tuple[str, str] | None = None  # (name, key)
     token_secret: tuple[str, str] | None = None  # (name, key): HF_TOKEN for gated hf:// models
     cache: CacheSpec | None = None
+    lora: LoRASpec | None = None
+    routing: RoutingSpec | None = None  # None: no router (spec.routing.enabled false or absent)
     # Kueue's labels on the InferenceService (plan/kueue.py): copied onto the workload it makes.
     queue_name: str | None = None
     priority_class: str | None = None
@@ -189,8 +233,10 @@ def _parse(body: dict) -> ServiceSpec:
                         _str(get("model.tokenSecretRef.key"), "spec.model.tokenSecretRef.key"))
     if _get(spec, "model.cache") is not None:
         cache = _parse_cache(get)
-    if (token_secret or cache) and scheme != "hf":
-        raise SpecError("spec.model.tokenSecretRef and spec.model.cache apply to hf:// models only")
+    served = get("model.name") or meta.get("name")
+    lora = _parse_lora(get, served) if _get(spec, "model.lora") is not None else None
+    if (token_secret or cache) and scheme != "hf" and not (lora is not None and lora.hub):
+        raise SpecError("spec.model.tokenSecretRef and spec.model.cache apply to hf:// models (or hf:// LoRA adapters) only")
     profile = get("model.profile")
     if profile is not None and not isinstance(profile, dict):
         raise SpecError("spec.model.profile must be an object")
@@ -198,6 +244,11 @@ def _parse(body: dict) -> ServiceSpec:
     dtype = _str(get("engine.dtype"), "spec.engine.dtype")
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise SpecError(f"spec.engine.dtype {dtype!r} must be auto, bfloat16, float16 or float32")
+    kv_cache_dtype = _str(get("engine.kvCacheDtype"), "spec.engine.kvCacheDtype")
+    try:
+        kv_memory.resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype))
+    except ValueError as e:
+        raise SpecError(f"spec.engine.kvCacheDtype: {e}") from None
     util = get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise SpecError(f"spec.engine.gpuMemoryUtilization must be in (0, 1], got {util!r}")
@@ -206,10 +257,13 @@ def _parse(body: dict) -> ServiceSpec:
         raise SpecError(f"spec.engine.blockSize must be 16 or 32, got {block_size}")
     engine = EngineSettings(
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         max_model_len=_auto_or_int(get("engine.maxModelLen"), "spec.engine.maxModelLen"),
         max_num_seqs=_auto_or_int(get("engine.maxNumSeqs"), "spec.engine.maxNumSeqs"),
         gpu_memory_utilization=float(util),
+        max_loras=lora.max_adapters if lora is not None else 0,
+        max_lora_rank=lora.max_rank if lora is not None else 0,
     )
     startup = get("engine.startupTimeoutSeconds")
 
@@ -224,9 +278,12 @@ def _parse(body: dict) -> ServiceSpec:
     scaling_spec = spec.get("scaling")
     if replicas is not None and scaling_spec is not None:
         raise SpecError("spec.replicas and spec.scaling are mutually exclusive")
+    routing = _parse_routing(get) if get("routing.enabled") is True else None
     scaling = None
     if scaling_spec is not None:
         scaling = _parse_scaling(get)
+        if scaling.min_replicas == 0 and routing is None:
+            raise SpecError(SCALE_TO_ZERO_NEEDS_ROUTING)
     else:
         replicas = 1 if replicas is None else _int(replicas, "spec.replicas", 0)
 
@@ -263,9 +320,47 @@ def _parse(body: dict) -> ServiceSpec:
         api_key_secret=secret,
         token_secret=token_secret,
         cache=cache,
+        lora=lora,
+        routing=routing,
         queue_name=own_labels.get(QUEUE_LABEL) or None,
         priority_class=own_labels.get(PRIORITY_LABEL) or None,
     )
+
+
+def _parse_lora(get, served_name: str | None) -> LoRASpec:
+    raw = get("model.lora.adapters") or []
+    if not isinstance(raw, list):
+        raise SpecError("spec.model.lora.adapters must be a list of {name, uri}")
+    adapters, seen = [], set()
+    for i, a in enumerate(raw):
+        where = f"spec.model.lora.adapters[{i}]"
+        if not isinstance(a, dict):
+            raise SpecError(f"{where} must be an object with name and uri")
+        name, uri = _str(a.get("name"), f"{where}.name"), _str(a.get("uri"), f"{where}.uri")
+        if not LORA_NAME.match(name):
+            raise SpecError(f"{where}.name {name!r} must be 1 to 256 characters without commas or spaces")
+        if name in seen:
+            raise SpecError(f"{where}.name {name!r} is used by an earlier adapter")
+        if name == served_name:
+            raise SpecError(f"{where}.name {name!r} is the served model's name")
+        seen.add(name)
+        scheme, _, rest = uri.partition("://")
+        if scheme not in LORA_SCHEMES or not rest:
+            raise SpecError(f"{where}.uri {uri!r} must start with pvc://, hf:// or file://")
+        if scheme == "hf" and not HF_URI.match(uri):
+            raise SpecError(f"{where}.uri {uri!r} must be hf://ORG/NAME or hf://ORG/NAME@REVISION")
+        if scheme == "pvc" and "/" not in rest.strip("/"):
+            raise SpecError(f"{where}.uri {uri!r} must be pvc://CLAIM/PATH")
+        if scheme == "file" and not rest.startswith("/"):
+            raise SpecError(f"{where}.uri {uri!r} must be file:///ABSOLUTE/PATH")
+        adapters.append(LoRAAdapter(name, uri))
+    max_rank = _int(get("model.lora.maxRank"), "spec.model.lora.maxRank", 1)
+    if max_rank > 512:
+        raise SpecError(f"spec.model.lora.maxRank must be 1 to 512, got {max_rank}")
+    max_adapters = _int(get("model.lora.maxAdapters"), "spec.model.lora.maxAdapters", 1)
+    if max_adapters > 64:
+        raise SpecError(f"spec.model.lora.maxAdapters must be 1 to 64, got {max_adapters}")
+    return LoRASpec(tuple(adapters), max_rank, max_adapters)
 
 
 def _parse_cache(get) -> CacheSpec:
@@ -288,8 +383,19 @@ def _parse_cache(get) -> CacheSpec:
     )
 
 
+def _parse_routing(get) -> RoutingSpec:
+    gateway = get("routing.gateway")
+    if gateway is None:
+        return RoutingSpec()
+    if not isinstance(gateway, dict):
+        raise SpecError("spec.routing.gateway must be an object with name (and optionally namespace)")
+    ns = get("routing.gateway.namespace")
+    return RoutingSpec(gateway_name=_str(get("routing.gateway.name"), "spec.routing.gateway.name"),
+                       gateway_namespace=None if ns is None else _str(ns, "spec.routing.gateway.namespace"))
+
+
 def _parse_scaling(get) -> ScalingSpec:
-    lo = _int(get("scaling.minReplicas"), "spec.scaling.minReplicas", 1)
+    lo = _int(get("scaling.minReplicas"), "spec.scaling.minReplicas", 0)
     hi = get("scaling.maxReplicas")
     if hi is None:
         raise SpecError("spec.scaling.maxReplicas is required")
@@ -313,4 +419,5 @@ def _parse_scaling(get) -> ScalingSpec:
         metrics_source=source,
         prometheus_url=url,
         prometheus_query=get("scaling.metrics.query"),
+        idle_seconds=_int(get("scaling.idleSeconds"), "spec.scaling.idleSeconds", 1),
     )

@@ -53,3 +53,19 @@ API at install time (discovery, as `helm install` sees it). */}}
 {{- $v := toString .Values.rbac.kueue }}
 {{- if or (eq $v "true") (and (eq $v "auto") (.Capabilities.APIVersions.Has "kueue.x-k8s.io/v1beta2")) }}true{{ end }}
 {{- end }}
+
+{{/* Routing's rules (rbac.routing): true, or "auto" when the API server serves the InferencePool API at install
+time; and the Gateway API's (rbac.gateway) likewise. */}}
+{{- define "tokenmill-operator.routing" -}}
+{{- $v := toString .Values.rbac.routing }}
+{{- if or (eq $v "true") (and (eq $v "auto") (.Capabilities.APIVersions.Has "inference.networking.k8s.io/v1")) }}true{{ end }}
+{{- end }}
+{{- define "tokenmill-operator.gateway" -}}
+{{- $v := toString .Values.rbac.gateway }}
+{{- if or (eq $v "true") (and (eq $v "auto") (.Capabilities.APIVersions.Has "gateway.networking.k8s.io/v1")) }}true{{ end }}
+{{- end }}
+
+{{/* The ClusterRole holding the endpoint picker's rights, bound to each router's ServiceAccount. */}}
+{{- define "tokenmill-operator.eppRole" -}}
+{{- printf "%s-epp" (include "tokenmill-operator.fullname" .) }}
+{{- end }}
