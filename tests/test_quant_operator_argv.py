@@ -82,3 +82,19 @@ def test_a_quantization_the_engine_cannot_load_is_refused_by_both(hub, tmp_path,
     args[args.index("--model") + 1] = f"hf://{GPTQ_REPO}"
     rc, out = run_check(container, tmp_path, monkeypatch, capsys, [*args, *ON_GPU])
     assert rc == 2 and message in out, out
+
+
+def test_a_gguf_is_sized_as_the_engine_holds_it_on_a_gpu(hub, tmp_path, monkeypatch, capsys):
+    """The bundled model is a Q4_1 GGUF: the operator (no file to read) counts its catalog parameters in the
+    dtype; the engine's check reads the file's header and, for a GPU, counts each tensor dequantized."""
+    import yaml
+    from test_operator_engine_argv import ROOT
+
+    doc = yaml.safe_load((ROOT / "examples" / "bundled-one-gpu.yaml").read_text())
+    status: dict = {}
+    container = engine_container(doc, hub.url, tmp_path, status)
+    sizing = status["sizing"]
+    assert sizing["weightsFrom"].startswith("a GGUF file, dequantized to bfloat16"), sizing["weightsFrom"]
+    rc, out = run_check(container, tmp_path, monkeypatch, capsys, [*container["args"], *ON_GPU])
+    assert rc == 0 and "gguf Q4_1/Q8_0" in out, out
+    assert f"as held ({sizing['weightsBytes']} bytes, 2.000 bytes per weight" in out, out
