@@ -85,8 +85,11 @@ def test_client_times_and_counts_a_stream(server):
     assert m["total_output_tokens"] == 5
     assert m["total_input_tokens"] == 22  # from the streamed usage
     assert m["ttft"]["median_ms"] >= FIRST_DELAY * 1000
-    assert m["itl"]["mean_ms"] >= GAP * 1000  # 3 gaps, all from the 4-token request
-    assert m["tpot"]["mean_ms"] >= GAP * 1000
+    # 3 gaps, all from the 4-token request. A chunk delivered late (a busy machine) shortens the gap after
+    # it: CI measured a mean of 19.2 ms for the server's 20 ms, so the bound leaves a quarter for that; a
+    # client that timed buffered chunks, or its own reads, would see ~0.
+    assert m["itl"]["mean_ms"] >= 0.75 * GAP * 1000
+    assert m["tpot"]["mean_ms"] >= 0.75 * GAP * 1000
     assert m["e2el"]["mean_ms"] >= (FIRST_DELAY + 1.5 * GAP) * 1000  # (0.05 + 0.06) and 0.05 s
     assert m["good_requests"] == 2
     by_prompt = {json.dumps(b["prompt"]): b for b in state["bodies"]}

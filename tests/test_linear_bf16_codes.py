@@ -18,6 +18,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     can_prepack,
 )
 from tokenmill.engine.layers.linear import Linear
+from tokenmill.engine.model.gguf_weights import codes_supported
 from tokenmill.kernels.cpu_probe import needs
 
 CPU = torch.device("cpu")
@@ -101,11 +102,14 @@ def test_bf16_engine_keeps_codes_and_agrees_with_the_fp32_engine() -> None:
     model = llm.engine.core.executor.worker.runner.model
     assert next(model.parameters()).dtype == torch.bfloat16
     linears = [m for m in model.model.modules() if isinstance(m, Linear)]
-    if bf16_codes_wanted(CPU, torch.bfloat16):
-        # The bundled model's 120 projections are Q4_1 and its tied embedding Q8_0: all have codes.
+    if codes_supported(CPU, torch.bfloat16, 1):
+        # The bundled model's 120 projections are Q4_1 and its tied embedding Q8_0: the GGUF loader keeps
+        # all of them as codes; prompts look embedding rows up in the codes (no bf16 matrix is held).
         assert len(linears) == 120 and all(m.packed_cpu is not None and m.weight is None for m in linears)
-        assert model.lm_head_packed_cpu is not None and model.model.embed_tokens.weight is not None
+        embed = model.model.embed_tokens
+        assert model.lm_head_packed_cpu is not None and embed.packed_cpu is not None and embed.weight is None
     elif can_prepack(CPU, torch.bfloat16):
+        # Below AVX-512 BF16 the blocks are dequantized at load: oneDNN's bf16 weights serve every batch.
         assert all(m.packed_cpu is None and m.weight is not None for m in linears)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     # Greedy bf16 drifts from fp32 once two candidates are near-tied (measured on these prompts, 64
