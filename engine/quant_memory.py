@@ -162,13 +162,59 @@ def config_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def int4_group_size(config: dict) -> int | None:
-    """The AWQ / GPTQ group size of a config.json's quantization_config (the whole input row for -1), or
-    None when its weights are not int4 (no quantization_config, or another method: refused at load)."""
-    q = config.get("quantization_config") or {}
-    if str(q.get("quant_method", "")).lower() not in ("awq", "gptq") or q.get("bits", q.get("w_bit")) != 4:
+@dataclass(frozen=True, slots=True)
+class Int4Config:
+    """An AWQ / GPTQ int4 checkpoint's quantization, as the loader (model/int4_weights.py) reads it."""
+
+    method: str  # "awq" | "gptq"
+    group_size: int  # -1: one group per column (the whole input)
+    zero_plus_one: bool  # GPTQ's v1 format stores z - 1
+
+
+def int4_config(config: dict, where: str = "config.json") -> Int4Config | None:
+    """The AWQ / GPTQ int4 quantization of a config.json, None for an unquantized checkpoint; ValueError
+    for one the engine cannot serve, naming it and what is supported. The loader, `serve --check` and the
+    operator all ask this, so none of them accepts a checkpoint another refuses."""
+    raw = config.get("quantization_config")
+    if raw is None:
         return None
-    return int(q.get("group_size", q.get("q_group_size", 128)))
+    method = str(raw.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ValueError(f"{where}: quantization_config quant_method {method!r} is not supported; supported: awq, gptq")
+    bits = raw.get("bits", raw.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{where}: {method} with {bits}-bit weights is not supported; supported: 4 bits")
+    group = raw.get("group_size", raw.get("q_group_size", 128))
+    if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
+        raise ValueError(f"{where}: {method} group_size {group!r} is not supported; supported: multiples of 32, or -1")
+    if method == "awq":
+        version = str(raw.get("version", "gemm")).lower()
+        if version != "gemm" or raw.get("zero_point", True) is not True:
+            raise ValueError(f"{where}: AWQ version {version!r} (zero_point {raw.get('zero_point')}) is not supported; "
+                             "supported: version gemm with zero points")  # fmt: skip
+        return Int4Config("awq", group, False)
+    fmt = str(raw.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
+    if raw.get("desc_act") is True:  # the loader would find a permuted g_idx; without weights, say it now
+        raise ValueError(f"{where}: GPTQ with act-order (desc_act: true) is not supported; quantize without desc_act")
+    return Int4Config("gptq", group, fmt == "gptq")
+
+
+def check_int4_parallel(config: dict, tensor_parallel: int, where: str = "config.json") -> None:
+    """Refuse an AWQ / GPTQ checkpoint split by tensor parallelism: the loader builds each quantized
+    projection whole (pipeline stages are fine: a stage takes whole layers)."""
+    cfg = int4_config(config, where)
+    if cfg is not None and tensor_parallel > 1:
+        raise ValueError(f"{where}: {cfg.method} int4 checkpoints are not supported with tensor parallelism "
+                         f"(tensor_parallel_size={tensor_parallel}); use 1 GPU per pipeline stage")  # fmt: skip
+
+
+def int4_group_size(config: dict) -> int | None:
+    """The AWQ / GPTQ group size of a config.json's quantization_config (-1: the whole input row), or None
+    when its weights are not int4; ValueError for a quantization the engine refuses (int4_config)."""
+    cfg = int4_config(config)
+    return None if cfg is None else cfg.group_size
 
 
 def config_weights(config: dict, dtype: str, codes: bool) -> QuantizedWeights:

@@ -29,7 +29,7 @@ from tokenmill.operator.plan.profiles import Sized
 from tokenmill.operator.plan.replicas import ReplicaPlan, target
 from tokenmill.operator.plan.routing import RouterState, routed_condition
 from tokenmill.operator.plan.scale_to_zero import ZeroDecision, ZeroState, predicted_wake
-from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_replica
+from tokenmill.operator.plan.sizing import SizingPlan, gpus_per_replica, weights_from
 from tokenmill.operator.plan.spec import ServiceSpec
 from tokenmill.operator.plan.startup import startup_timeout_seconds
 
@@ -109,6 +109,7 @@ def sizing_status(spec: ServiceSpec, sized: Sized) -> dict:
         e = sized.error
         return {"feasible": False, "reason": e.reason, "message": str(e), "gpuType": spec.gpu_type}
     out = plan_status(sized.plan, sized.profile)
+    out["weightsFrom"] = weights_from(sized.profile, sized.plan.dtype, spec.model_uri)
     if sized.hub_model is not None:
         out["hub"] = hub_status(sized.hub_model, sized.profile)
     return out

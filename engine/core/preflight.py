@@ -31,7 +31,8 @@ def preflight(config: EngineConfig, revision: str | None = None) -> str:
         pool += f" per rank, tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
     w = plan.weights
     quantized = sorted(t for t in w.types if t not in FLOAT_GGUF and t not in DTYPE_BYTES)
-    held = f", weights {w.loaded_bytes / 1e9:.2f} GB as held ({w.bytes_per_weight:.3f} bytes per weight" + (
+    # The exact bytes too: the operator's status.sizing.weightsBytes is the same count (quant_memory.py).
+    held = f", weights {w.loaded_bytes / 1e9:.2f} GB as held ({w.loaded_bytes} bytes, {w.bytes_per_weight:.3f} bytes per weight" + (
         f", {w.format} {'/'.join(quantized)})" if quantized else ")"
     )
     return (

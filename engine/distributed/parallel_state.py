@@ -101,15 +101,16 @@ def vocab_shard(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return tp_rank * per_rank, per_rank
 
 
-def validate_parallel(config: EngineConfig, mc: ModelConfig, device_type: str) -> None:
+def validate_parallel(config: EngineConfig, mc: ModelConfig, device_type: str, count_devices: bool = True) -> None:
     """Refuse a TP x PP split this model or machine cannot run, before any weight is read (the rules
-    live in parallel_check.py; `tokenmill serve --check` calls this same function)."""
+    live in parallel_check.py; `tokenmill serve --check` calls this same function). count_devices: False
+    where the check plans for GPUs this machine lacks (engine_plan.py)."""
     t, p = config.tensor_parallel_size, config.pipeline_parallel_size
     check_parallel_shape(t, p, config.nnodes)
     check_parallel_model(
         t, p, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size, mc.num_hidden_layers
     )
-    if device_type == "cuda":
+    if device_type == "cuda" and count_devices:
         check_parallel_devices(t, p, config.nnodes, torch.cuda.device_count())
 
 

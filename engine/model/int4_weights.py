@@ -18,52 +18,25 @@ w = s * (q - z) that dequantizing the checkpoint gives.
 import io
 import json
 import pathlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tokenmill.engine import quant_memory
 from tokenmill.engine.load_memory import TensorInfo, read_header
 from tokenmill.engine.model import gguf_blocks, sharding
 from tokenmill.engine.model.safetensors_stream import read_tensor
 from tokenmill.engine.model_config import ModelConfig
-from tokenmill.engine.quant_memory import int4_group_format
+from tokenmill.engine.quant_memory import Int4Config, int4_group_format
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
 QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
-@dataclass(frozen=True, slots=True)
-class Int4Config:
-    method: str  # "awq" | "gptq"
-    group_size: int  # -1: one group per column (the whole input)
-    zero_plus_one: bool  # GPTQ's v1 format stores z - 1
-
-
 def int4_config(path: pathlib.Path) -> Int4Config | None:
     """The folder's AWQ / GPTQ int4 configuration, None for an unquantized checkpoint; ValueError for a
-    quantization this loader cannot serve, naming it and what is supported."""
-    raw = json.loads((path / "config.json").read_text()).get("quantization_config")
-    if raw is None:
-        return None
-    method = str(raw.get("quant_method", "")).lower()
-    if method not in ("awq", "gptq"):
-        raise ValueError(f"{path}: quantization_config quant_method {method!r} is not supported; supported: awq, gptq")
-    bits = raw.get("bits", raw.get("w_bit"))
-    if bits != 4:
-        raise ValueError(f"{path}: {method} with {bits}-bit weights is not supported; supported: 4 bits")
-    group = raw.get("group_size", raw.get("q_group_size", 128))
-    if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
-        raise ValueError(f"{path}: {method} group_size {group!r} is not supported; supported: multiples of 32, or -1")
-    if method == "awq":
-        version = str(raw.get("version", "gemm")).lower()
-        if version != "gemm" or raw.get("zero_point", True) is not True:
-            raise ValueError(f"{path}: AWQ version {version!r} (zero_point {raw.get('zero_point')}) is not supported; "
-                             "supported: version gemm with zero points")  # fmt: skip
-        return Int4Config("awq", group, False)
-    fmt = str(raw.get("checkpoint_format", "gptq")).lower()
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ValueError(f"{path}: GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
-    return Int4Config("gptq", group, fmt == "gptq")
+    quantization this loader cannot serve (quant_memory.int4_config: the check `serve --check` and the
+    operator make too)."""
+    return quant_memory.int4_config(json.loads((path / "config.json").read_text()), str(path))
 
 
 def _nibbles(words: np.ndarray) -> np.ndarray:

@@ -47,6 +47,10 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -20,7 +20,7 @@ from tokenmill.engine.gguf_header import read_gguf_header
 from tokenmill.engine.model.resolve import resolve_model
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.quant_memory import QuantizedWeights
-from tokenmill.engine.worker.device import check_fp8_device, resolve_device, resolve_dtype
+from tokenmill.engine.worker.device import check_fp8_device, cuda_available, resolve_device, resolve_dtype
 
 # Default KV pool on CPU when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -64,9 +64,12 @@ def plan_engine(config: EngineConfig, revision: str | None = None, *, config_onl
     check_engine_config(config)
     path = resolve_model(config.model, revision, config_only=config_only)
     mc = load_model_config(path)
-    device = str(resolve_device(config.device))
+    # `serve --check --device cuda` on a machine without a GPU plans for one (the operator's argv for a GPU
+    # pod, checked on CI): the GPUs' count and fp8 support are the operator's to check, from its catalog.
+    elsewhere = config_only and config.device.startswith("cuda") and not cuda_available()
+    device = config.device if elsewhere else str(resolve_device(config.device))
     device_type = device.split(":")[0]
-    validate_parallel(config, mc, device_type)
+    validate_parallel(config, mc, device_type, count_devices=not elsewhere)
     dtype = str(resolve_dtype(config.dtype, device_type)).removeprefix("torch.")
     max_model_len = config.max_model_len or mc.max_model_len
     if max_model_len > mc.max_model_len:
@@ -75,9 +78,12 @@ def plan_engine(config: EngineConfig, revision: str | None = None, *, config_onl
             f"use --max-model-len {mc.max_model_len} or less"
         )
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if not (path / "model.gguf").exists():  # a safetensors checkpoint: an AWQ / GPTQ one the loader can serve
+        quant_memory.check_int4_parallel(json.loads((path / "config.json").read_text()), tp, str(path))
     kv_cache_dtype = kv_memory.resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     check_kv_cache_dtype(kv_cache_dtype, mc.head_dim)
-    check_fp8_device(kv_cache_dtype, device)
+    if not elsewhere:
+        check_fp8_device(kv_cache_dtype, device)
     kv_per_token = kv_memory.kv_bytes_per_token(
         mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_cache_dtype, tp, pp
     )

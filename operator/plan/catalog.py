@@ -224,12 +224,16 @@ def profile_from_hf_config(config: dict, name: str = "model", num_parameters: in
     """A profile from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 style); the parameter
     count is estimated from the shape unless given (the Hub's safetensors metadata has it)."""
     values = {f: config.get(f) for f in SPEC_KEYS if f != "num_parameters"}
-    group = quant_memory.int4_group_size(config)
+    try:  # the engine's own rule: a quantization it refuses at load (or in `serve --check`) is refused here
+        cfg = quant_memory.int4_config(config, f"{name} config.json")
+    except ValueError as e:
+        raise ProfileError("UnsupportedQuantization", str(e)) from None
+    group = None if cfg is None else cfg.group_size
     # An AWQ / GPTQ checkpoint's safetensors count holds eight int4 weights per int32 element: the shape
     # says how many weights there are.
     values["num_parameters"] = num_parameters if group is None else None
     if group is not None:
-        values["quantization"] = f"{config['quantization_config']['quant_method'].lower()}-g{group}"
+        values["quantization"] = f"{cfg.method}-g{group}"
     # Qwen2 has biases on Q, K and V; Llama-style configs say so with attention_bias.
     bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
     return _complete(values, name, source, attention_bias=bias)

@@ -94,6 +94,8 @@ def valid_tensor_parallel_sizes(profile: ModelProfile, max_size: int = MAX_TENSO
     (parallel_check.tp_fits_model: heads and MLP width divide, KV heads split or replicated), so the
     operator never plans a TP the engine refuses. An explicit gpu.count may be any of these."""
     p = profile
+    if p.quantization:  # AWQ / GPTQ: the engine loads them without tensor parallelism (quant_memory.check_int4_parallel)
+        return [1]
     return [
         tp for tp in range(1, min(max_size, MAX_TENSOR_PARALLEL_SIZE) + 1)
         if tp_fits_model(p.num_attention_heads, p.num_key_value_heads, p.intermediate_size, tp)
@@ -163,6 +165,13 @@ def plan(
             f"gpu.count {gpu_count} is more than the {gpu.gpus_per_node} GPUs of one {gpu.name} node (a "
             f"replica's tensor parallel group stays on one node): use {_or_list(valid)}, or omit gpu.count "
             "to let a replica span nodes",
+        )
+    if gpu_count is not None and gpu_count > 1 and profile.quantization:
+        return _plan_at(profile, gpu, settings, dtype, gpu_count).with_reason(
+            "InvalidGPUCount",
+            f"gpu.count {gpu_count}: {profile.name} is a {profile.quantization} int4 checkpoint, which the engine "
+            "loads without tensor parallelism: use gpu.count 1, or omit gpu.count to let a replica span nodes "
+            "(one GPU per pipeline stage)",
         )
     if gpu_count is not None and gpu_count not in valid:
         return _plan_at(profile, gpu, settings, dtype, gpu_count).with_reason(
@@ -318,6 +327,24 @@ def held_weights_bytes(profile: ModelProfile, dtype: str) -> int:
         return kvm.weights_bytes(profile.num_parameters, dtype)
     codes = quant_memory.codes_held("cuda", dtype, 1, bf16_dot=False)
     return quant_memory.config_weights(profile_config(profile), dtype, codes).loaded_bytes
+
+
+def weights_from(profile: ModelProfile, dtype: str, model_uri: str) -> str:
+    """status.sizing.weightsFrom: how weightsBytes was counted, in words."""
+    per = kvm.dtype_bytes(dtype)
+    if profile.quantization:
+        return (
+            f"{profile.quantization}: int4 projections (config.json's quantization_config), dequantized to {dtype} "
+            f"at load on a GPU (no GPU int4 kernels yet): {profile.num_parameters} weights counted from the "
+            f"shape x {per} bytes (engine/quant_memory.config_weights, as serve --check counts them)"
+        )
+    count = f"{profile.num_parameters} parameters ({profile.source}) x {per} bytes ({dtype})"
+    if model_uri.partition("@")[0].lower().endswith(".gguf") or model_uri.startswith("bundled://"):
+        return (
+            f"a GGUF file, dequantized to {dtype} at load on a GPU (no GPU kernels for its blocks yet): {count}; "
+            "the operator does not read the file (serve --check counts its header)"
+        )
+    return count
 
 
 # The engine's --max-cpu-loras per adapter slot (children/lora_config.py passes it): host memory for twice
