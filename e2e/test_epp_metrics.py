@@ -39,11 +39,15 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """The bundled model with one adapter, `sql`, and room for one sequence at a time."""
-    from tokenmill.engine.model.resolve import resolve_model
+    from tokenmill.engine.model.bundled import bundled_gguf_path
+    from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
 
     from tests.lora_adapters import make_peft_adapter
 
-    adapter = make_peft_adapter(resolve_model(None), tmp_path_factory.mktemp("lora") / "sql", r=8)
+    # PEFT builds the adapter on a transformers model: the GGUF's weights dequantized to safetensors (the
+    # engine's own cache folder holds only a link to the GGUF, which transformers cannot load).
+    base = dequantized_copy_cached(bundled_gguf_path())
+    adapter = make_peft_adapter(base, tmp_path_factory.mktemp("lora") / "sql", r=8)
     port, work = free_port(), tmp_path_factory.mktemp("engine")
     argv = [str(REPO / ".venv" / "bin" / "tokenmill"), "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", MODEL, "--max-num-seqs", "1", "--max-model-len", "512", "--max-loras", "2",
