@@ -5,7 +5,8 @@ Why: the bundled model is a Q4_1 GGUF that runs from 4-bit codes; most served mo
 where every engine reads 2 bytes per weight (issue 31). Random weights are fine for speed (the engines do
 the same arithmetic whatever the values) and need no download. Written once per machine (about 1 GB
 of fp32 drawn a tensor at a time, 724 MB on disk) into ~/.cache/tokenmill/models, keyed by
-DENSE_MODEL_VERSION; `tokenmill bench roofline|peers --model dense-bf16-360m` name it.
+DENSE_MODEL_VERSION. `python -m tokenmill.engine.bench.dense_model` writes it and prints its folder, which
+`tokenmill bench roofline --model FOLDER` (or serve, or a peer) then loads; no bench names it by itself yet.
 """
 
 import json
@@ -101,3 +102,7 @@ def ensure_dense_model(tokenizer_dir: str | os.PathLike | None = None) -> pathli
             shutil.copy(src, tmp / f)
     tmp.rename(final)  # atomic: a half-written folder is never found under the final name
     return final
+
+
+if __name__ == "__main__":
+    print(ensure_dense_model())
