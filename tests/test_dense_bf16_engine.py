@@ -14,7 +14,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import dense_bf16_max_rows, dense_b
 from tokenmill.engine.layers.linear import Linear
 
 from tests.test_engine_generate import MAX_TOKENS, PROMPTS, run_tokens
-from tests.test_half_checkpoints import TEXT, _engine_next, _hf_logprobs
+from tests.test_half_checkpoints import TEXT, _engine_next, half_agreement
 from tests.tiny_models import make_tiny_model
 
 
@@ -48,13 +48,8 @@ def test_tiny_bf16_checkpoint_served_in_bf16_agrees_with_the_fp32_engine_as_tran
     else:
         assert all(m.packed_cpu is None for m in linears)
     got = _engine_next(llm, prefixes)
-    exact, rounded = _hf_logprobs(model_dir, text_ids, torch.float32), _hf_logprobs(model_dir, text_ids, torch.bfloat16)
-    rows = torch.tensor([len(p) - 1 for p in prefixes])
-    hf_top1 = int((rounded[rows].argmax(-1) == exact[rows].argmax(-1)).sum())
-    hf_diff = [abs(float(exact[r, t] - rounded[r, t])) for r, a in zip(rows.tolist(), want, strict=True) for t in a]
-    our_top1 = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(want, got, strict=True))
-    our_diff = [abs(a[t] - b[t]) for a, b in zip(want, got, strict=True) for t in a.keys() & b.keys()]
-    hf_mean, our_mean = sum(hf_diff) / len(hf_diff), sum(our_diff) / len(our_diff)
+    hf_top1, hf_diff, our_top1, our_mean = half_agreement(model_dir, text_ids, torch.bfloat16, prefixes, want, got)
+    hf_mean = sum(hf_diff) / len(hf_diff)
     print(f"\n{arch}: top-1 vs fp32 at {our_top1} of {len(prefixes)} (transformers bf16 {hf_top1}); "
           f"mean |logprob diff| {our_mean:.4f} (transformers {hf_mean:.4f})")
     assert our_top1 >= hf_top1 - 1 and our_mean <= 1.5 * hf_mean

@@ -68,6 +68,23 @@ def _engine_next(llm: LLM, prefixes: list[list[int]]) -> list[dict[int, float]]:
     return [dict(o.outputs[0].logprobs[0]) for o in outs]  # token id -> logprob, the top 5
 
 
+def half_agreement(
+    model_dir: pathlib.Path, ids: list[int], half: torch.dtype, prefixes: list[list[int]],
+    want: list[dict[int, float]], got: list[dict[int, float]],
+) -> tuple[int, list[float], int, float]:
+    """The half dtype's own error, as transformers has it on the same file, beside the engine's: top-1
+    agreement with fp32 over every prefix and the mean |logprob difference| over fp32's top 5. want/got:
+    the fp32 and half engines' _engine_next over `prefixes` (each a prefix of ids).
+    Returns (transformers top-1, transformers' differences, engine top-1, engine mean difference)."""
+    exact, rounded = _hf_logprobs(model_dir, ids, torch.float32), _hf_logprobs(model_dir, ids, half)
+    rows = torch.tensor([len(p) - 1 for p in prefixes])
+    hf_top1 = int((rounded[rows].argmax(-1) == exact[rows].argmax(-1)).sum())
+    hf_diff = [abs(float(exact[r, t] - rounded[r, t])) for r, a in zip(rows.tolist(), want, strict=True) for t in a]
+    our_top1 = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(want, got, strict=True))
+    our_diff = [abs(a[t] - b[t]) for a, b in zip(want, got, strict=True) for t in a.keys() & b.keys()]
+    return hf_top1, hf_diff, our_top1, sum(our_diff) / len(our_diff)
+
+
 def _engine_model(llm: LLM) -> torch.nn.Module:
     return llm.engine.core.executor.worker.runner.model
 
@@ -220,13 +237,8 @@ def test_the_bundled_model_served_in_its_stored_half_dtype_is_as_accurate_as_tra
 
     # The dtype's own error, as transformers has it on the same file: top-1 agreement with fp32 over every
     # prefix, and the mean |logprob difference| over fp32's top 5.
-    exact, rounded = _hf_logprobs(folder, ids, torch.float32), _hf_logprobs(folder, ids, half)
-    rows = torch.tensor([len(p) - 1 for p in prefixes])
-    hf_top1 = int((rounded[rows].argmax(-1) == exact[rows].argmax(-1)).sum())
-    hf_diff = [abs(float(exact[r, t] - rounded[r, t])) for r, a in zip(rows.tolist(), want, strict=True) for t in a]
-    our_top1 = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(want, got, strict=True))
-    our_diff = [abs(a[t] - b[t]) for a, b in zip(want, got, strict=True) for t in a.keys() & b.keys()]
-    hf_mean, our_mean = sum(hf_diff) / len(hf_diff), sum(our_diff) / len(our_diff)
+    hf_top1, hf_diff, our_top1, our_mean = half_agreement(folder, ids, half, prefixes, want, got)
+    hf_mean = sum(hf_diff) / len(hf_diff)
     print(f"\n{dtype}: top-1 vs fp32 at {our_top1} of {len(prefixes)} (transformers {hf_top1}); "
           f"mean |logprob diff| {our_mean:.4f} (transformers {hf_mean:.4f})")
     # No worse than transformers in the dtype: at most one more disagreeing position, and a mean error
