@@ -110,4 +110,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without C++ static destructors: gloo's process group still owns threads (no
+    # destroy_process_group, above), and destroying a joinable std::thread at exit aborts the process
+    # ("terminate called without an active exception", exit -6: seen once in CI after a clean stop).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
