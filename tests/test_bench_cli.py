@@ -19,6 +19,7 @@ from tokenmill.engine.cli.bench import main
         (["throughput", "--dataset", "seed-sim", "--threads", "0"], "--threads must be at least 1, got 0"),
         (["peers", "--workloads", "random,bogus"], "--workloads takes a comma list of random, prefix"),
         (["peers", "--clients", "curl"], "--clients takes a comma list of vllm, tokenmill"),
+        (["peers", "--models", "/nonexistent/model.bin"], "--models /nonexistent/model.bin: not bundled, dense-bf16"),
         (["attention", "--layers", "0"], "--layers must be at least 1, got 0"),
     ],
 )

@@ -55,7 +55,7 @@ def test_ratio_table_by_hand() -> None:
 def test_markdown_and_plot(tmp_path) -> None:
     text = markdown(ratio_table(rows()))
     lines = text.strip().splitlines()
-    assert lines[0].startswith("| client | workload | concurrency | tokenmill tok/s (TPOT ms)")
+    assert lines[0].startswith("| model | client | workload | concurrency | tokenmill tok/s (TPOT ms)")
     assert lines[0].endswith("| tokenmill / vllm | tokenmill / llama.cpp |")
     assert "| 80.0 (700.0, 15 failed) |" in lines[2] and lines[2].endswith("| 1.50 | 7.50 |")
     assert lines[3].endswith("| - | 0.50 |")
@@ -63,6 +63,52 @@ def test_markdown_and_plot(tmp_path) -> None:
     out = tmp_path / "peers.png"
     plot(ratio_table(rows()), str(out), "test")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_models_get_their_own_lines() -> None:
+    """The dense bf16 case beside the bundled model: a ratio is only taken within one model."""
+    v = "vllm bench serve"
+    table = ratio_table([
+        row_from_result("tokenmill", v, "random 128/128", 8, vllm_json(300.0, 20.0, 50.0)),
+        row_from_result("vllm", v, "random 128/128", 8, vllm_json(150.0, 40.0, 60.0)),
+        row_from_result("tokenmill", v, "random 128/128", 8, vllm_json(90.0, 60.0, 70.0), "dense-bf16"),
+        row_from_result("vllm", v, "random 128/128", 8, vllm_json(100.0, 54.0, 80.0), "dense-bf16"),
+    ])  # fmt: skip
+    assert [t["model"] for t in table] == ["bundled", "dense-bf16"]
+    assert table[0]["tokenmill/vllm tok/s"] == pytest.approx(2.0)  # 300 / 150
+    assert table[1]["tokenmill/vllm tok/s"] == pytest.approx(0.9)  # 90 / 100
+    assert table[1]["vllm/tokenmill tpot"] == pytest.approx(0.9)  # 54 / 60
+    lines = markdown(table).strip().splitlines()
+    assert lines[3].startswith("| dense-bf16 | vllm bench serve | random 128/128 | 8 | 90.0 (60.0) |")
+
+
+def test_weights_markdown_by_hand() -> None:
+    from tokenmill.engine.bench.peers import WeightsRead, weights_markdown
+
+    w = [WeightsRead("vllm", "dense-bf16", 723_642_240, 361_821_120, "bfloat16"),
+         WeightsRead("llama.cpp", "bundled", 85_000_000, 134_515_008, "GGUF Q4_1/Q8_0")]  # fmt: skip
+    lines = weights_markdown(w).strip().splitlines()
+    assert lines[2] == "| dense-bf16 | vllm | 724 MB | 2.000 | bfloat16 |"
+    assert lines[3] == "| bundled | llama.cpp | 85 MB | 0.632 | GGUF Q4_1/Q8_0 |"  # 85e6 / 134,515,008
+
+
+def test_weights_read_from_the_engines_own_check() -> None:
+    """tokenmill's figure comes from a real `serve --check` (the operator's count), parsed: the bundled
+    GGUF is held as codes where this CPU keeps codes for bf16 (the probe says), else at its dtype's bytes."""
+    from tokenmill.engine.bench.peers import PeerModel, weights_read
+    from tokenmill.engine.model.bundled import bundled_gguf_path
+    from tokenmill.kernels.cpu_probe import probe
+
+    gguf = str(bundled_gguf_path())
+    w = weights_read("tokenmill", PeerModel("bundled", "", gguf, gguf), "")
+    assert w is not None and w.parameters > 100_000_000
+    if probe().at_least("avx512_bf16"):
+        assert "Q4_1" in w.format and w.bytes_per_weight < 1.0
+    else:
+        assert w.bytes_per_weight >= 2.0
+    llama = weights_read("llama.cpp", PeerModel("bundled", "", gguf, gguf), "")
+    assert llama is not None and llama.format.startswith("GGUF") and "Q4_1" in llama.format
+    assert llama.parameters == w.parameters and llama.bytes_per_weight < 1.0
 
 
 def test_peak_rss_counts_the_servers_children() -> None:

@@ -5,8 +5,9 @@ Why: the bundled model is a Q4_1 GGUF that runs from 4-bit codes; most served mo
 where every engine reads 2 bytes per weight (issue 31). Random weights are fine for speed (the engines do
 the same arithmetic whatever the values) and need no download. Written once per machine (about 1 GB
 of fp32 drawn a tensor at a time, 724 MB on disk) into ~/.cache/tokenmill/models, keyed by
-DENSE_MODEL_VERSION. `python -m tokenmill.engine.bench.dense_model` writes it and prints its folder, which
-`tokenmill bench roofline --model FOLDER` (or serve, or a peer) then loads; no bench names it by itself yet.
+DENSE_MODEL_VERSION. `tokenmill bench peers --models dense-bf16` serves it to every engine;
+`python -m tokenmill.engine.bench.dense_model` writes it and prints its folder, which
+`tokenmill bench roofline --model FOLDER` (or serve) then loads.
 """
 
 import json

@@ -1,6 +1,6 @@
 """`python -m tokenmill.engine.bench.quant_model --out FILE.gguf`: a random Llama GGUF, quantized, for the
 quantized-model benchmarks (docs/benchmarks.md): loading peak (load_peak.py) and serving against llama.cpp
-(`tokenmill bench peers --gguf FILE`). Not a test fixture: the 1B preset is ~620 MB and takes minutes.
+(`tokenmill bench peers --models FILE --engines tokenmill,llama.cpp`). Not a test fixture: the 1B preset is ~620 MB and takes minutes.
 
 The tokenizer (vocabulary, merges, chat template) is the bundled SmolLM2's, copied from its GGUF, so
 tokenmill and llama.cpp both serve the file as it is. Tensors are drawn (N(0, 0.02), norms 1) and quantized

@@ -151,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--workloads", default="random,prefix", help="comma list of random, prefix")
     p.add_argument("--clients", default="vllm,tokenmill", help="comma list of vllm, tokenmill (bench serve)")
-    p.add_argument("--gguf", default=None, help="a GGUF file tokenmill and llama.cpp serve (default: the bundled "
-                   "model's; vLLM serves the bundled model's folder)")  # fmt: skip
+    p.add_argument("--models", default="bundled,dense-bf16",
+                   help="comma list, each run by every engine: bundled (the Q4_1 GGUF; vLLM serves its weights "
+                   "dequantized), dense-bf16 (a 362M Llama stored in bf16, written once), or a path to a GGUF "
+                   "file or a Hugging Face folder (llama.cpp serves GGUF files only)")  # fmt: skip
     return parser
 
 
@@ -489,7 +491,6 @@ def cmd_startup(args: argparse.Namespace) -> int:
 
 def cmd_peers(args: argparse.Namespace) -> int:
     from tokenmill.engine.bench import peers
-    from tokenmill.engine.model.bundled import bundled_gguf_path
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in peers.ENGINES]
@@ -505,23 +506,48 @@ def cmd_peers(args: argparse.Namespace) -> int:
     if not clients or any(c not in peers.CLIENTS for c in clients):
         raise ValueError(f"--clients takes a comma list of {', '.join(peers.CLIENTS)}; got {args.clients!r}")
     out = Path(args.out)
-    gguf = Path(args.gguf).resolve() if args.gguf else bundled_gguf_path()
-    if not gguf.is_file():
-        raise ValueError(f"--gguf {args.gguf}: no such file")
-    hf_dir = _model_dir(str(gguf))  # config and tokenizer (vLLM's client reads the tokenizer)
-    if "vllm" in engines:  # vLLM serves a Hugging Face folder: the GGUF's weights dequantized (fp32)
-        from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
-
-        hf_dir = str(dequantized_copy_cached(gguf))
-    rows = peers.run_peers(engines, concurrencies, args.num_prompts, out, hf_dir, str(gguf), port=args.port,
-                           workloads=workloads, clients=clients)  # fmt: skip
+    models = [_peer_model(m.strip(), "vllm" in engines) for m in args.models.split(",") if m.strip()]
+    if not models:
+        raise ValueError(f"--models takes a comma list of bundled, dense-bf16 or paths; got {args.models!r}")
+    rows, weights = peers.run_peers(engines, concurrencies, args.num_prompts, out, models, port=args.port,
+                                    workloads=workloads, clients=clients)  # fmt: skip
     table = peers.ratio_table(rows)
     machine = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
-    (out / "peers.md").write_text(peers.markdown(table))
-    peers.plot(table, str(out / "peers.png"), f"{gguf.name if args.gguf else 'bundled SmolLM2-135M'}, {machine}")
-    print(peers.markdown(table))
+    text = peers.markdown(table) + "\n" + peers.weights_markdown(weights)
+    (out / "peers.md").write_text(text)
+    peers.plot(table, str(out / "peers.png"), f"{', '.join(m.name for m in models)}; {machine}")
+    print(text)
     _emit({"table": table}, str(out / "peers.json"))
     return 0
+
+
+def _peer_model(spec: str, vllm: bool) -> Any:
+    """bench peers' --models entry as a PeerModel: what tokenmill, vLLM and llama.cpp each serve."""
+    from tokenmill.engine.bench.peers import PeerModel
+
+    if spec == "dense-bf16":
+        from tokenmill.engine.bench.dense_model import ensure_dense_model
+
+        folder = str(ensure_dense_model())
+        return PeerModel(spec, folder, folder, None)
+    if spec == "bundled":
+        from tokenmill.engine.model.bundled import bundled_gguf_path
+
+        path = bundled_gguf_path()
+    else:
+        path = Path(spec).resolve()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"--models {spec}: a folder needs a config.json (a Hugging Face model folder)")
+            return PeerModel(spec, str(path), str(path), None)
+        if not path.is_file() or path.suffix != ".gguf":
+            raise ValueError(f"--models {spec}: not bundled, dense-bf16, a .gguf file or a model folder")
+    hf_dir = _model_dir(str(path))  # config and tokenizer (vLLM's client reads the tokenizer)
+    if vllm:  # vLLM serves a Hugging Face folder: the GGUF's weights dequantized (fp32)
+        from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
+
+        hf_dir = str(dequantized_copy_cached(path))
+    return PeerModel(spec, hf_dir, str(path), str(path))
 
 
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
