@@ -32,7 +32,9 @@ _SOURCES = [
     _CSRC / "cpu_decoder.cpp",
     _CSRC / "cpu_grouped.cpp",
 ]
-_HEADERS = [_CSRC / "cpu_common.h", _CSRC / "cpu_codes_bf16.h", _CSRC / "cpu_ops.h", _CSRC / "cpu_kv_quant.h"]
+# Every header the sources include, found rather than listed: build_name hashes them, and a header left
+# off a list would let an edit to it load the library built before it.
+_HEADERS = sorted(_CSRC.glob("*.h"))
 # fp-contract=off: no FMA contraction where transformers rounds a product (fp32 parity). -fopenmp:
 # at::parallel_for is a serial loop unless the code is built with OpenMP (its header tests _OPENMP), so
 # without it every kernel ran on one thread whatever torch.set_num_threads said. The link resolves

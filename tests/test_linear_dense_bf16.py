@@ -34,7 +34,24 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     if out.dtype == torch.bfloat16:
         bound = bound + exact.abs() * 2.0**-8  # one rounding to bf16
     err = (out.double() - exact).abs()
-    assert (err <= bound).all(), f"max error {err.max().item():.3g} over bound {(err - bound).max().item():.3g}"
+    assert (err <= bound).all(), (
+        f"max error {err.max().item():.3g} over bound {(err - bound).max().item():.3g}"
+    )
+
+
+def _check_batches(op, w: torch.Tensor, packed: torch.Tensor, rows: tuple[int, ...]) -> None:
+    """op(out, x, packed, bias) on random bf16 x of each row count, with and without a bias, to bf16 and
+    fp32 out, each within _check's bound; the dense kernel's and the GEMM's tests run the same sweep."""
+    n, k = w.shape
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(1)
+    for m in rows:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        for b in (None, bias):
+            for dtype in (torch.bfloat16, torch.float32):
+                out = torch.full((m, n), float("nan"), dtype=dtype)
+                op(out, x, packed, b)
+                _check(out, x, w.float(), b)
 
 
 @dense
@@ -45,15 +62,7 @@ def test_kernel_gives_the_exact_product_rounded(n: int, k: int) -> None:
     w = _weight(n, k, seed=n + k)
     packed = _ops().pack_bf16_weight(w)
     assert packed.shape == ((n + 15) // 16, k // 2, 32) and packed.dtype == torch.bfloat16
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    g = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 5, 6, 7, 12, 13, 64, 300):
-        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        for b in (None, bias):
-            for dtype in (torch.bfloat16, torch.float32):
-                out = torch.full((rows, n), float("nan"), dtype=dtype)
-                _ops().linear_dense_bf16(out, x, packed, b)
-                _check(out, x, w.float(), b)
+    _check_batches(_ops().linear_dense_bf16, w, packed, (1, 2, 3, 5, 6, 7, 12, 13, 64, 300))
 
 
 @dense
@@ -115,6 +124,7 @@ def test_wrong_arguments_are_refused_with_what_was_expected() -> None:
 
 # ---- the fp32-FMA GEMM for larger batches (kernels/csrc/cpu_gemm_bf16.cpp) --------------------------
 
+
 def _gemm_built() -> bool:
     ops = cpu_kernels.load()
     return ops is not None and ops.gemm_bf16_supported()
@@ -129,16 +139,7 @@ gemm = pytest.mark.skipif(not _gemm_built(), reason=needs("avx512"))
 @pytest.mark.parametrize("n,k", [(50, 96), (200, 2100)])
 def test_dense_gemm_gives_the_exact_product_rounded(n: int, k: int) -> None:
     w = _weight(n, k, seed=n + k)
-    packed = _ops().pack_bf16_weight(w)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    g = torch.Generator().manual_seed(1)
-    for rows in (1, 7, 9, 24, 130):
-        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        for b in (None, bias):
-            for dtype in (torch.bfloat16, torch.float32):
-                out = torch.full((rows, n), float("nan"), dtype=dtype)
-                _ops().linear_dense_gemm(out, x, packed, b)
-                _check(out, x, w.float(), b)
+    _check_batches(_ops().linear_dense_gemm, w, _ops().pack_bf16_weight(w), (1, 7, 9, 24, 130))
 
 
 @gemm

@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 
 #include "cpu_common.h"
+#include "cpu_tile.h"  // store_cols
 
 namespace tokenmill_cpu {
 
@@ -54,18 +55,6 @@ inline std::vector<float> block_sums(const c10::BFloat16* x, int64_t ldx, int64_
       sums[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(load16(xb), load16(xb + 16)));
     }
   return sums;
-}
-
-// 16 outputs to o, or their first `cols` (the weight's last panel may be ragged).
-template <typename TOut>
-inline void store_cols(TOut* o, __m512 y, int64_t cols) {
-  if (cols == 16) {
-    store16(o, y);
-  } else {
-    alignas(64) TOut tmp[16];
-    store16(tmp, y);
-    std::copy(tmp, tmp + cols, o);
-  }
 }
 #endif
 

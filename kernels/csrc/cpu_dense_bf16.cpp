@@ -31,6 +31,7 @@
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_tile.h"
 
 namespace {
 
@@ -67,38 +68,15 @@ inline void dense_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
       for (int q = 0; q < P; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], wv[q], xv);
     }
   }
-#pragma GCC unroll 4
-  for (int q = 0; q < P; ++q) {
-    const int64_t c = q == P - 1 ? cols : kPanel;
-    __m512 bv = _mm512_setzero_ps();
-    if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << c) - 1), bias + q * kPanel);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 y = _mm512_add_ps(acc[r][q], bv);
-      if (c == kPanel)
-        tokenmill_cpu::store16(out + r * ldo + q * kPanel, y);
-      else {
-        alignas(64) TOut tmp[kPanel];
-        tokenmill_cpu::store16(tmp, y);
-        std::copy(tmp, tmp + c, out + r * ldo + q * kPanel);
-      }
-    }
-  }
+  tokenmill_cpu::store_tile(acc, out, ldo, cols, bias);
 }
 
 template <int P, typename TOut>
 void rows_tile(int64_t rows, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t pstride, int64_t k2,
                TOut* out, int64_t ldo, int64_t cols, const float* bias) {
-#define TOKENMILL_TILE(R) dense_tile<R, P, TOut>(x, ldx, w, pstride, k2, out, ldo, cols, bias); break
-  switch (rows) {
-    case 1: TOKENMILL_TILE(1);
-    case 2: TOKENMILL_TILE(2);
-    case 3: TOKENMILL_TILE(3);
-    case 4: TOKENMILL_TILE(4);
-    case 5: TOKENMILL_TILE(5);
-    default: TOKENMILL_TILE(6);
-  }
-#undef TOKENMILL_TILE
+  tokenmill_cpu::with_tile_rows<kTileRows>(rows, [&](auto r) {
+    dense_tile<decltype(r)::value, P, TOut>(x, ldx, w, pstride, k2, out, ldo, cols, bias);
+  });
 }
 
 template <typename TOut>

@@ -31,6 +31,7 @@
 #include "cpu_codes_bf16.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_tile.h"
 
 namespace {
 
@@ -150,40 +151,15 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* b, int64_t kc, f
       for (int q = 0; q < P; ++q) _mm512_storeu_ps(acc_io + r * lda + q * kPanel, acc[r][q]);
     return;
   }
-#pragma GCC unroll 3
-  for (int q = 0; q < P; ++q) {
-    const int64_t c = q == P - 1 ? cols : kPanel;
-    __m512 bv = _mm512_setzero_ps();
-    if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << c) - 1), bias + q * kPanel);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 y = _mm512_add_ps(acc[r][q], bv);
-      if (c == kPanel) {
-        tokenmill_cpu::store16(out + r * ldo + q * kPanel, y);
-      } else {
-        alignas(64) TOut tmp[kPanel];
-        tokenmill_cpu::store16(tmp, y);
-        std::copy(tmp, tmp + c, out + r * ldo + q * kPanel);
-      }
-    }
-  }
+  tokenmill_cpu::store_tile(acc, out, ldo, cols, bias);
 }
 
 template <int P, typename TOut>
 void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* b, int64_t kc, float* acc_io, bool first,
                bool last, TOut* out, int64_t ldo, int64_t cols, const float* bias) {
-#define TOKENMILL_TILE(R) gemm_tile<R, P, TOut>(x, ldx, b, kc, acc_io, first, last, out, ldo, cols, bias); break
-  switch (rows) {
-    case 1: TOKENMILL_TILE(1);
-    case 2: TOKENMILL_TILE(2);
-    case 3: TOKENMILL_TILE(3);
-    case 4: TOKENMILL_TILE(4);
-    case 5: TOKENMILL_TILE(5);
-    case 6: TOKENMILL_TILE(6);
-    case 7: TOKENMILL_TILE(7);
-    default: TOKENMILL_TILE(8);
-  }
-#undef TOKENMILL_TILE
+  tokenmill_cpu::with_tile_rows<kTileRows>(rows, [&](auto r) {
+    gemm_tile<decltype(r)::value, P, TOut>(x, ldx, b, kc, acc_io, first, last, out, ldo, cols, bias);
+  });
 }
 
 template <typename TOut>

@@ -37,6 +37,7 @@
 
 #include "cpu_codes_bf16.h"
 #include "cpu_common.h"
+#include "cpu_tile.h"
 
 namespace {
 
@@ -267,33 +268,15 @@ void tile_dot(const Grouped& g, int64_t p, const c10::BFloat16* x, int64_t ldx, 
       }
     }
   }
-#pragma GCC unroll 2
-  for (int q = 0; q < P; ++q) {
-    const int64_t c = q == P - 1 ? cols : kPanel;
-    __m512 bv = _mm512_setzero_ps();
-    if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << c) - 1), bias + q * kPanel);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      tokenmill_cpu::store_cols(out + r * ldo + q * kPanel, _mm512_add_ps(_mm512_load_ps(acc[r][q]), bv), c);
-    }
-  }
+  tokenmill_cpu::store_tile(acc, out, ldo, cols, bias);
 }
 
 template <int P, int H, int B, bool MIN, typename TOut>
 void rows_tile_dot(int64_t rows, const Grouped& g, int64_t p, const c10::BFloat16* x, int64_t ldx, const float* xsum,
                    int64_t ldxs, __m512i t0, __m512i t1, TOut* out, int64_t ldo, int64_t cols, const float* bias) {
-#define TOKENMILL_TILE(R) tile_dot<R, P, H, B, MIN, TOut>(g, p, x, ldx, xsum, ldxs, t0, t1, out, ldo, cols, bias); break
-  switch (rows) {
-    case 1: TOKENMILL_TILE(1);
-    case 2: TOKENMILL_TILE(2);
-    case 3: TOKENMILL_TILE(3);
-    case 4: TOKENMILL_TILE(4);
-    case 5: TOKENMILL_TILE(5);
-    case 6: TOKENMILL_TILE(6);
-    case 7: TOKENMILL_TILE(7);
-    default: TOKENMILL_TILE(8);
-  }
-#undef TOKENMILL_TILE
+  tokenmill_cpu::with_tile_rows<kTileRows>(rows, [&](auto r) {
+    tile_dot<decltype(r)::value, P, H, B, MIN, TOut>(g, p, x, ldx, xsum, ldxs, t0, t1, out, ldo, cols, bias);
+  });
 }
 
 template <int H, int B, bool MIN, typename TOut>

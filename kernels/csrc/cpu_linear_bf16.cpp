@@ -26,6 +26,7 @@
 #include "cpu_codes_bf16.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_tile.h"
 
 namespace {
 
@@ -78,36 +79,17 @@ inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const float* xsum, int
       }
     }
   }
-#pragma GCC unroll 4
-  for (int q = 0; q < P; ++q) {
-    const int64_t c = q == P - 1 ? cols : kPanel;
-    __m512 bv = _mm512_setzero_ps();
-    if (bias != nullptr) bv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << c) - 1), bias + q * kPanel);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 y = _mm512_add_ps(_mm512_load_ps(acc[r][q]), bv);
-      tokenmill_cpu::store_cols(out + r * ldo + q * kPanel, y, c);
-    }
-  }
+  tokenmill_cpu::store_tile(acc, out, ldo, cols, bias);
 }
 
 template <int P, bool Q4, typename TOut, typename S>
 void rows_tile_dot(int64_t rows, const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t ldxs,
                    const int8_t* codes, int64_t kb, const S* scales, const S* mins, int64_t sb, int64_t k,
                    __m512i table, TOut* out, int64_t ldo, int64_t cols, const float* bias) {
-#define TOKENMILL_TILE(R) \
-  tile_dot<R, P, Q4, TOut, S>(x, ldx, xsum, ldxs, codes, kb, scales, mins, sb, k, table, out, ldo, cols, bias); break
-  switch (rows) {
-    case 1: TOKENMILL_TILE(1);
-    case 2: TOKENMILL_TILE(2);
-    case 3: TOKENMILL_TILE(3);
-    case 4: TOKENMILL_TILE(4);
-    case 5: TOKENMILL_TILE(5);
-    case 6: TOKENMILL_TILE(6);
-    case 7: TOKENMILL_TILE(7);
-    default: TOKENMILL_TILE(8);
-  }
-#undef TOKENMILL_TILE
+  tokenmill_cpu::with_tile_rows<kTileRows>(rows, [&](auto r) {
+    tile_dot<decltype(r)::value, P, Q4, TOut, S>(x, ldx, xsum, ldxs, codes, kb, scales, mins, sb, k, table, out, ldo,
+                                                 cols, bias);
+  });
 }
 #endif
 
