@@ -173,7 +173,7 @@ CLIENTS = ("vllm", "tokenmill")
 class PeerModel:
     """One model every engine serves in turn."""
 
-    name: str  # "bundled", "dense-bf16" or the path given
+    name: str  # "bundled", "dense-bf16" or the file or folder name of the path given
     hf_dir: str  # the Hugging Face folder vLLM serves; every client reads its tokenizer
     serve: str  # what tokenmill serves: a GGUF file or a folder
     gguf: str | None  # what llama.cpp serves; None: no GGUF of this model, llama.cpp sits it out
@@ -328,7 +328,7 @@ def run_peers(
     weights: list[WeightsRead] = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for model in models:
-        model_out = out_dir / model.name.replace("/", "_") if len(models) > 1 else out_dir
+        model_out = out_dir / model.name if len(models) > 1 else out_dir
         model_out.mkdir(parents=True, exist_ok=True)
         for engine in engines:
             if engine == "llama.cpp" and model.gguf is None:

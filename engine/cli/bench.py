@@ -522,7 +522,8 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 
 def _peer_model(spec: str, vllm: bool) -> Any:
-    """bench peers' --models entry as a PeerModel: what tokenmill, vLLM and llama.cpp each serve."""
+    """bench peers' --models entry as a PeerModel: what tokenmill, vLLM and llama.cpp each serve. A path
+    is named by its file or folder name in the tables (the full path is in the servers' logs)."""
     from tokenmill.engine.bench.peers import PeerModel
 
     if spec == "dense-bf16":
@@ -539,7 +540,7 @@ def _peer_model(spec: str, vllm: bool) -> Any:
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ValueError(f"--models {spec}: a folder needs a config.json (a Hugging Face model folder)")
-            return PeerModel(spec, str(path), str(path), None)
+            return PeerModel(path.name, str(path), str(path), None)
         if not path.is_file() or path.suffix != ".gguf":
             raise ValueError(f"--models {spec}: not bundled, dense-bf16, a .gguf file or a model folder")
     hf_dir = _model_dir(str(path))  # config and tokenizer (vLLM's client reads the tokenizer)
@@ -547,7 +548,7 @@ def _peer_model(spec: str, vllm: bool) -> Any:
         from tokenmill.engine.model.gguf_cache import dequantized_copy_cached
 
         hf_dir = str(dequantized_copy_cached(path))
-    return PeerModel(spec, hf_dir, str(path), str(path))
+    return PeerModel(spec if spec == "bundled" else path.name, hf_dir, str(path), str(path))
 
 
 COMMANDS = {"throughput": cmd_throughput, "serve": cmd_serve, "compare": cmd_compare, "roofline": cmd_roofline,
