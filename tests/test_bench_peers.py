@@ -93,8 +93,9 @@ def test_weights_markdown_by_hand() -> None:
 
 
 def test_weights_read_from_the_engines_own_check() -> None:
-    """tokenmill's figure comes from a real `serve --check` (the operator's count), parsed: the bundled
-    GGUF is held as codes where this CPU keeps codes for bf16 (the probe says), else at its dtype's bytes."""
+    """tokenmill's figure comes from the engine's real plan (the count `serve --check` prints and the
+    operator sizes with): the bundled GGUF is held as codes where this CPU keeps codes for bf16 (the probe
+    says), else at its dtype's bytes; llama.cpp's from the real GGUF header."""
     from tokenmill.engine.bench.peers import PeerModel, weights_read
     from tokenmill.engine.model.bundled import bundled_gguf_path
     from tokenmill.kernels.cpu_probe import probe

@@ -31,7 +31,7 @@ class PeerRow:
     median_ttft_ms: float
     completed: int
     failed: int
-    model: str = "bundled"  # PeerModel.name: the bundled GGUF, the dense bf16 model, or a path
+    model: str = "bundled"  # PeerModel.name: "bundled", "dense-bf16", or a path's file or folder name
 
 
 def row_from_result(
@@ -94,7 +94,7 @@ def markdown(table: list[dict[str, Any]], reference: str = "tokenmill") -> str:
             *[f"{reference} / {p}" for p in peers]]  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for line in table:
-        cells = [line.get("model", "bundled"), line["client"], line["workload"], str(line["concurrency"])]
+        cells = [line["model"], line["client"], line["workload"], str(line["concurrency"])]
         for e in engines:
             v = line.get(e)
             failed = f", {v['failed']} failed" if v and v["failed"] else ""
@@ -137,7 +137,7 @@ def plot(table: list[dict[str, Any]], path: str, title: str) -> None:
 
     lines = [t for t in table if t["client"] == "vllm bench serve"] or table
     engines = [e for e in ENGINES if any(e in t for t in lines)]
-    labels = [f"{t.get('model', 'bundled')}\n{t['workload']}\nc={t['concurrency']}" for t in lines]
+    labels = [f"{t['model']}\n{t['workload']}\nc={t['concurrency']}" for t in lines]
     width = 0.8 / max(1, len(engines))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(lines)), 4))
     for j, e in enumerate(engines):
@@ -291,12 +291,15 @@ def weights_read(engine: str, model: PeerModel, server_log: str) -> WeightsRead 
 
     if engine == "tokenmill":  # the engine's plan on this machine: `serve --check`'s and the operator's count
         from tokenmill.engine.config import EngineConfig
+        from tokenmill.engine.kv_memory import dtype_bytes
         from tokenmill.engine.worker.engine_plan import plan_engine
 
         plan = plan_engine(EngineConfig(model=model.serve, device="cpu"), config_only=True)
         held = plan.weights
         codes = sorted(t for t in held.types if t.startswith("Q"))
-        fmt = f"{'/'.join(codes)} codes ({plan.dtype})" if held.loaded_bytes < held.parameters * 2 and codes else plan.dtype
+        # Codes are held where the weights take less than the served dtype's bytes (else dequantized at load).
+        kept = codes and held.loaded_bytes < held.parameters * dtype_bytes(plan.dtype)
+        fmt = f"{'/'.join(codes)} codes ({plan.dtype})" if kept else plan.dtype
         return WeightsRead(engine, model.name, held.loaded_bytes, held.parameters, fmt)
     if engine == "vllm":
         m = re.search(r"dtype=torch\.(\w+)", server_log)
