@@ -18,7 +18,9 @@ from tests.tiny_models import make_tiny_model
 
 # nats; int8 rounds each value to 1/254 of its row's absmax, fp8_e4m3 to 3 mantissa bits (1/16 relative).
 MAX_LOGPROB_DIFF = {"int8": 0.35, "fp8": 0.6}
-MEAN_LOGPROB_DIFF = {"int8": 0.03, "fp8": 0.06}
+# The int8 mean: 0.0194 with the codes kernels (AVX-512 BF16 Xeon, 16 x 64), 0.0308 on the AVX2-only EPYC,
+# whose bf16 model has no codes kernels and runs bf16-rounded weights through torch (8 x 32, 2026-12-06).
+MEAN_LOGPROB_DIFF = {"int8": 0.035, "fp8": 0.06}
 PROMPTS = PARITY_PROMPTS[:8]
 STORY = ("In a quiet village at the edge of a great forest, there lived an old clockmaker who repaired every "
          "clock in the valley. One winter morning, a stranger arrived carrying a broken pocket watch.")
