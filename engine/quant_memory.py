@@ -70,14 +70,27 @@ def codes_bytes(bits: int, rows: int, cols: int, half_scales: bool) -> int:
     return n * cols * bits // 8 + 2 * n * (cols // 32) * (2 if half_scales else 4)
 
 
-def tensor_bytes(type_name: str, shape: tuple[int, ...], dtype: str, half_scales: bool, codes: bool = True) -> int:
+def fp32_panel_bytes(rows: int, cols: int, bf16_exact: bool) -> int:
+    """Bytes of a [rows, cols] weight an fp32 CPU model packs for the fp32 kernel (cpu_linear.cpp): bf16
+    panels alone where every value is a bf16 value (a bf16 checkpoint), else fp32 panels beside the fp32
+    weight that torch's GEMM reads for batches of more rows than the kernel takes."""
+    n = _panel_rows(rows)
+    return n * cols * 2 if bf16_exact else n * cols * 4 + rows * cols * 4
+
+
+def tensor_bytes(
+    type_name: str, shape: tuple[int, ...], dtype: str, half_scales: bool, codes: bool = True, packed: bool = False
+) -> int:
     """Bytes one GGUF tensor takes once loaded for a model served in `dtype` (`codes`: where the engine
-    keeps codes, a CPU serving fp32 or bf16; elsewhere every tensor is dequantized to the dtype)."""
+    keeps codes, a CPU serving fp32 or bf16; elsewhere every tensor is dequantized to the dtype). packed:
+    a float tensor the fp32 kernel packs there (a linear's weight, or a tied embedding's)."""
     elements = 1
     for d in shape:
         elements *= d
     if not codes and type_name in SUPPORTED_GGUF:
         return elements * kv_memory.dtype_bytes(dtype)
+    if packed and dtype == "float32" and len(shape) == 2 and type_name in FLOAT_GGUF:
+        return fp32_panel_bytes(*shape, bf16_exact=type_name == "BF16")
     if len(shape) == 2 and type_name in GROUPED_GGUF:
         return grouped_bytes(GROUPED_GGUF[type_name], *shape)
     if len(shape) == 2 and type_name in CODES_GGUF:
@@ -123,8 +136,10 @@ def gguf_weights(tensors: list, dtype: str, codes: bool = True) -> QuantizedWeig
     output.weight) is held once: the same codes serve the embedding and the LM head."""
     loaded = file_bytes = params = largest = 0
     types: dict[str, int] = {}
+    tied = not any(t.name == "output.weight" for t in tensors)
     for t in tensors:
-        loaded += tensor_bytes(t.type_name, t.shape, dtype, half_scales(dtype), codes)
+        packed = t.name != "token_embd.weight" or tied  # every other 2-D tensor is a linear's
+        loaded += tensor_bytes(t.type_name, t.shape, dtype, half_scales(dtype), codes, packed)
         file_bytes += t.nbytes
         params += t.elements
         largest = max(largest, t.nbytes)
@@ -228,6 +243,7 @@ def config_weights(config: dict, dtype: str, codes: bool) -> QuantizedWeights:
     file_elem = 2 if group is not None else kv_memory.DTYPE_BYTES.get(stored_dtype, 2)
     loaded = file_bytes = params = largest = 0
     types: dict[str, int] = {}
+    tied = bool(config.get("tie_word_embeddings", False))
     for name, shape in config_tensors(config):
         elements = 1
         for d in shape:
@@ -242,6 +258,8 @@ def config_weights(config: dict, dtype: str, codes: bool) -> QuantizedWeights:
         else:
             stored = elements * file_elem
             held = elements * kv_memory.dtype_bytes(dtype)
+            if codes and dtype == "float32" and len(shape) == 2 and (name != "model.embed_tokens.weight" or tied):
+                held = fp32_panel_bytes(*shape, bf16_exact=group is None and stored_dtype == "bfloat16")
             kind = dtype
         loaded += held
         file_bytes += stored

@@ -46,3 +46,23 @@ def test_model_shape_of_the_bundled_model():
     assert shape == {"params": 134_515_008, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
     projections = 30 * (576 * (576 + 192 + 192 + 576) + 3 * 1536 * 576)
     assert weights == projections * 5 // 8 + 49152 * 576 * 9 // 8 + 61 * 576 * 2
+
+
+def test_a_bf16_checkpoint_served_in_fp32_is_read_at_its_panels_bytes(tmp_path):
+    """On the fp32 kernel a bf16 checkpoint's linears are bf16 panels: a step reads 2 bytes per linear
+    weight, not fp32's 4 (norms stay fp32); without the kernels, the fp32 weights."""
+    import torch
+    from tokenmill.engine.bench.roofline import model_shape
+    from tokenmill.kernels.cpu_probe import probe
+
+    from tests.tiny_models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "llama", vocab_size=1000, hidden_size=256, intermediate_size=512,
+                             dtype=torch.bfloat16)  # fmt: skip
+    fp32 = model_shape(str(folder), "float32")
+    assert "weight_bytes" not in model_shape(str(folder), "bfloat16")  # params x 2
+    if probe().at_least("avx2"):
+        # Its untied embedding (a quarter of a million of the 1.7 million weights) stays an fp32 table.
+        assert 2 * fp32["params"] < fp32["weight_bytes"] < 0.6 * 4 * fp32["params"]
+    else:
+        assert "weight_bytes" not in fp32

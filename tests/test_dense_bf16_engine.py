@@ -57,3 +57,28 @@ def test_tiny_bf16_checkpoint_served_in_bf16_agrees_with_the_fp32_engine_as_tran
     # prefill and decode) to the end, every KV block returned.
     outs = run_tokens(llm, ids)
     assert [len(o) for o in outs] == [MAX_TOKENS] * len(PROMPTS)
+
+
+# llama: a separate LM head and an untied fp32 embedding table; llama3_rope: a tied embedding, whose rows
+# then come from the LM head's bf16 panels.
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope"])
+def test_tiny_bf16_checkpoint_served_in_fp32_matches_transformers_on_bf16_panels(
+        tmp_path, bundled_model_dir, arch) -> None:
+    """Served in fp32 (the default where the CPU lacks AVX-512 BF16), a bf16 checkpoint's weights are bf16
+    values: the fp32 kernel keeps them as bf16 panels (half the bytes) and no fp32 copy, and the tokens are
+    transformers' in fp32, token for token, through steps of up to 64 rows (past the small-batch tiles)."""
+    from tokenmill.engine.layers.cpu_gemm_policy import fp32_linear_ops
+
+    from tests.test_engine_generate import hf_greedy
+
+    model_dir = make_tiny_model(tmp_path, arch, tokenizer_dir=bundled_model_dir, dtype=torch.bfloat16)
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64)
+    model = _model(llm)
+    linears = [m for m in model.model.modules() if isinstance(m, Linear)]
+    if fp32_linear_ops(torch.device("cpu"), torch.float32) is not None:
+        assert all(m.packed_cpu.fp32.dtype == torch.bfloat16 and m.weight is None for m in linears)
+        assert model.lm_head_packed_cpu.fp32.dtype == torch.bfloat16
+        embed = model.model.embed_tokens
+        assert (embed.weight is None) == (arch == "llama3_rope")  # tied: rows from the LM head's panels
+    ids = [llm.engine.tokenize(p) for p in PROMPTS]
+    assert run_tokens(llm, ids) == hf_greedy(model_dir, ids, MAX_TOKENS)

@@ -72,6 +72,46 @@ def test_linear_module_runs_small_batches_packed_and_large_ones_through_torch() 
         assert torch.equal(got, packed) == (rows <= CPU_PACKED_MAX_ROWS)  # which path ran
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (50, 37), (17, 1536)])
+def test_a_bf16_checkpoints_weight_packs_to_bf16_panels_with_the_fp32_panels_sums(n: int, k: int) -> None:
+    """A weight whose every fp32 value is a bf16 value (a bf16 checkpoint served in fp32) is packed as bf16
+    panels, half the bytes, and every batch size sums exactly what fp32 panels of it sum."""
+    ops = fp32_linear_ops(CPU, torch.float32)
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    b = torch.randn(n, generator=g)
+    half, full = pack_cpu_weight(w, blocks=False), ops.pack_linear_weight(w, False)
+    assert half.fp32.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert half.nbytes * 2 == full.numel() * full.element_size() and torch.equal(half.fp32.float(), full)
+    for rows in (1, 5, 6, 7, 16, 97, 200):  # in-register widening up to one tile, widened panels past it
+        x = torch.randn(rows, k, generator=g)
+        for bias in (None, b):
+            want = torch.empty(rows, n)
+            ops.linear_packed(want, x, full, bias)
+            assert torch.equal(half.linear(x, bias), want), rows
+    # One bit below bf16's precision in one weight keeps the whole weight in fp32 panels.
+    w[n // 2, k // 2] = torch.nextafter(w[n // 2, k // 2], torch.tensor(float("inf")))
+    assert pack_cpu_weight(w, blocks=False).fp32.dtype == torch.float32
+
+
+def test_a_bf16_exact_linear_and_tied_embedding_drop_their_fp32_copy() -> None:
+    """bf16 panels run every batch (no fp32 matrix kept for torch's GEMM) and give embedding rows."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 576, generator=g).bfloat16().float()
+    lin = Linear(576, 200, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    assert lin.pack_cpu() and lin.weight is None and lin.packed_cpu.stands_alone
+    for rows in (1, CPU_PACKED_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 576, generator=g)
+        bound = 1e-6 * (576**0.5) * (x.abs().double() @ w.abs().double().T + 1)  # as in the first test
+        assert ((lin(x).double() - _reference(x, w, None)).abs() <= bound).all()
+    ids = torch.tensor([0, 199, 16, 15, 77])
+    assert torch.equal(lin.packed_cpu.embedding(ids), w[ids])
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 200\)"):
+        lin.packed_cpu.embedding(torch.tensor([200]))
+
+
 def test_wrong_shapes_are_refused_with_the_sizes() -> None:
     ops = fp32_linear_ops(CPU, torch.float32)
     packed = pack_cpu_weight(torch.randn(32, 24), blocks=False).fp32

@@ -39,20 +39,25 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     return 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), reps)
 
 
-def model_shape(model_dir: str) -> dict[str, int]:
-    """Parameter count (from the safetensors headers, or a GGUF's, with the bytes its codes take once
-    loaded: weight_bytes) and the attention shape (from config.json)."""
+def model_shape(model_dir: str, dtype: str = "bfloat16") -> dict[str, int]:
+    """Parameter count (from the safetensors headers, or a GGUF's) and the attention shape (from
+    config.json), with weight_bytes where a step reads other than params x the dtype's bytes: a GGUF's
+    codes, or a bf16 checkpoint served in fp32 on the fp32 kernel's bf16 panels (quant_memory's count)."""
     from safetensors import safe_open
+    from tokenmill.engine.quant_memory import config_weights, gguf_weights
+    from tokenmill.kernels.cpu_probe import probe
 
     params = 0
     extra: dict[str, int] = {}
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
     gguf = Path(model_dir) / "model.gguf"  # a GGUF's cache folder (model/gguf_cache.py): the weights as codes
     if gguf.exists():
         from tokenmill.engine.gguf_header import read_gguf_header
-        from tokenmill.engine.quant_memory import gguf_weights
 
-        held = gguf_weights(read_gguf_header(gguf).tensors, "bfloat16")
+        held = gguf_weights(read_gguf_header(gguf).tensors, dtype)
         params, extra["weight_bytes"] = held.parameters, held.loaded_bytes
+    elif dtype == "float32" and probe().at_least("avx2") and (cfg.get("torch_dtype") or cfg.get("dtype")) == "bfloat16":
+        extra["weight_bytes"] = config_weights(cfg, dtype, codes=True).loaded_bytes
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
@@ -61,7 +66,6 @@ def model_shape(model_dir: str) -> dict[str, int]:
                 for d in shape:
                     n *= d
                 params += n
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
     num_heads = cfg["num_attention_heads"]
     return {
         "params": params,

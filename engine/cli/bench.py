@@ -336,11 +336,11 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     }
     print(json.dumps(machine), file=sys.stderr)
     model_dir = _model_dir(args.model)
-    shape = roofline.model_shape(model_dir)
     if args.max_num_seqs is None:
         args.max_num_seqs = max(batches)
     llm = _build_llm(args)
     dtype = resolved_dtype(llm)
+    shape = roofline.model_shape(model_dir, dtype)
     peak = machine[f"matmul_gflops_{dtype}"] * 1e9 if f"matmul_gflops_{dtype}" in machine else \
         roofline.matmul_flops(roofline.DTYPES[dtype]) * 1e9
     steps = []

@@ -36,11 +36,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 @dataclass
 class CpuPackedWeight:
-    """A weight [out_features, in] in the fp32 kernel's panels: fp32 values, or int8 codes with per-block
-    scales and mins that rebuild those fp32 values exactly (engine/layers/weight_codes.py)."""
+    """A weight [out_features, in] in the fp32 kernel's panels: fp32 values (stored as bf16 where every one
+    is a bf16 value: a bf16 checkpoint served in fp32), or int8 codes with per-block scales and mins that
+    rebuild those fp32 values exactly (engine/layers/weight_codes.py)."""
 
     out_features: int
-    fp32: torch.Tensor | None = None  # [panels, in, 16]
+    fp32: torch.Tensor | None = None  # float32 or bfloat16 [panels, in, 16]
     codes: torch.Tensor | None = None  # int8 [panels, in, 16], or uint8 nibbles [panels, in / 2, 16]
     scales: torch.Tensor | None = None  # [panels, in / 32, 16]: fp32, or fp16 for the bf16 kernels
     mins: torch.Tensor | None = None
@@ -81,9 +82,13 @@ class CpuPackedWeight:
         return out if flat else out.view(*x.shape[:-1], self.out_features)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids [T] of the weight [T, in], rebuilt from the codes: the fp32 values it was loaded with
-        (or, for a dense bf16 weight, its bf16 rows)."""
+        """Rows ids [T] of the weight [T, in], rebuilt from the codes or bf16 panels: the fp32 values it was
+        loaded with (or, for a dense bf16 weight, its bf16 rows)."""
         ids = ids if ids.dtype == torch.int64 else ids.long()
+        if self.fp32 is not None:
+            if bool(((ids < 0) | (ids >= self.out_features)).any()):
+                raise ValueError(f"an embedding id is outside the vocabulary [0, {self.out_features})")
+            return self.fp32[ids // 16, :, ids % 16].float()  # bf16 panels (stands_alone): exact
         if self.dense is not None:
             out = torch.empty(ids.shape[0], self.dense.shape[1] * 2, dtype=torch.bfloat16)
             cpu_kernels.load().embedding_dense_bf16(out, ids, self.dense, self.out_features)
@@ -93,6 +98,12 @@ class CpuPackedWeight:
         out = torch.empty(ids.shape[0], self.codes.shape[1], dtype=torch.float32)
         cpu_kernels.load().embedding_q8(out, ids, self.codes, self.scales, self.mins, self.out_features)
         return out
+
+    @property
+    def stands_alone(self) -> bool:
+        """Whether these panels run every batch size, so the weight's fp32 [out, in] copy can go: codes
+        (cpu_gemm.cpp takes large batches) or bf16 panels (widened once per block of rows)."""
+        return self.codes is not None or (self.fp32 is not None and self.fp32.dtype == torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
@@ -145,14 +156,15 @@ def pack_cpu_weight(
     weight: torch.Tensor, blocks: bool | None = None, nibbles: bool = True, cache: CodesCache | None = None
 ) -> CpuPackedWeight:
     """Pack an fp32 weight [out, in] for the fp32 CPU kernel: as integer blocks when they rebuild it
-    exactly (and `blocks`, by default unless TOKENMILL_CPU_LINEAR=fp32), else as fp32 panels."""
+    exactly (and `blocks`, by default unless TOKENMILL_CPU_LINEAR=fp32), else as fp32 panels, stored as
+    bf16 where every value is a bf16 value (half the bytes a decode step reads, the same sums)."""
     weight = weight.detach()
     if blocks is None:
         blocks = cpu_linear_mode() == "1"
     packed = codes_weight(weight, nibbles, cache) if blocks else None
     if packed is not None:
         return packed
-    return CpuPackedWeight(weight.shape[0], fp32=cpu_kernels.load().pack_linear_weight(weight))
+    return CpuPackedWeight(weight.shape[0], fp32=cpu_kernels.load().pack_linear_weight(weight, True))
 
 
 class Linear(nn.Linear):
@@ -205,14 +217,14 @@ class Linear(nn.Linear):
     def pack_cpu(
         self, blocks: bool | None = None, keep_fp32: bool = False, cache: CodesCache | None = None
     ) -> bool:
-        """Pack for the fp32 CPU kernel. A weight found as integer blocks then runs every batch from its
-        codes and its [out, in] fp32 copy is dropped (unless keep_fp32); an fp32-panel weight keeps it,
-        for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM. Whether the
-        fp32 weight was dropped."""
+        """Pack for the fp32 CPU kernel. A weight found as integer blocks or bf16 panels then runs every
+        batch from them and its [out, in] fp32 copy is dropped (unless keep_fp32); an fp32-panel weight
+        keeps it, for batches over CPU_PACKED_MAX_ROWS rows, which run faster through torch's GEMM.
+        Whether the fp32 weight was dropped."""
         if self.weight is None:  # loaded as codes (model/gguf_weights.py, int4_weights.py)
             return True
         self.packed_cpu = pack_cpu_weight(self.weight, blocks, cache=cache)
-        if self.packed_cpu.codes is not None and not keep_fp32:
+        if self.packed_cpu.stands_alone and not keep_fp32:
             self.weight = None
             return True
         return False

@@ -355,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
                 def tied(_weight: torch.Tensor) -> bool:
                     embed = self.model.embed_tokens
                     self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False, cache=cache)
-                    if self.lm_head_packed_cpu.codes is not None and not keep_fp32:
+                    if self.lm_head_packed_cpu.stands_alone and not keep_fp32:
                         embed.packed_cpu, embed.weight = self.lm_head_packed_cpu, None
                         return True
                     return False
@@ -373,8 +373,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears_cpu(self, blocks: bool | None = None, cache: CodesCache | None = None) -> None:
         """Give every projection and the LM head the fp32 CPU kernel's packed weights. Weights found as
-        integer blocks then run every batch from their codes and their fp32 copies are dropped (a tied
-        embedding looks its rows up in the codes); with tensor parallelism they stay, and batches over
+        integer blocks or bf16 panels then run every batch from them and their fp32 copies are dropped (a
+        tied embedding looks its rows up in them); with tensor parallelism they stay, and batches over
         CPU_PACKED_MAX_ROWS rows run through torch's GEMM as for fp32-panel weights."""
         keep_fp32 = self.par.tp_size > 1
         for module in self.model.modules():
@@ -386,7 +386,7 @@ class LlamaForCausalLM(nn.Module):
             if self.lm_head is None:
                 embed = self.model.embed_tokens
                 self.lm_head_packed_cpu = pack_cpu_weight(embed.weight, blocks, nibbles=False, cache=cache)
-                if self.lm_head_packed_cpu.codes is not None and not keep_fp32:
+                if self.lm_head_packed_cpu.stands_alone and not keep_fp32:
                     embed.packed_cpu, embed.weight = self.lm_head_packed_cpu, None
             else:
                 self.lm_head.pack_cpu(blocks, keep_fp32, cache)

@@ -115,7 +115,9 @@ def model_weights(path: pathlib.Path, device_type: str, dtype: str, tensor_paral
     its weights."""
     from tokenmill.kernels.cpu_probe import probe
 
-    codes = quant_memory.codes_held(device_type, dtype, tensor_parallel, probe().at_least("avx512_bf16"))
+    # The CPU kernels that hold codes and panels need AVX2 + FMA; below that every weight is a dtype tensor.
+    kernels = probe().at_least("avx2")
+    codes = kernels and quant_memory.codes_held(device_type, dtype, tensor_parallel, probe().at_least("avx512_bf16"))
     gguf = path / "model.gguf"
     if gguf.exists():
         return quant_memory.gguf_weights(read_gguf_header(gguf).tensors, dtype, codes)

@@ -36,23 +36,46 @@ constexpr int64_t kRowBlock = 96;
 constexpr int64_t kCodeBlock = 32;  // k per scale/min pair of the integer-code weights (GGUF's block size)
 constexpr int64_t kTileRowsQ8 = 4;
 
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
+// Whether every value of an fp32 tensor is a bf16 value (its low 16 bits zero): a checkpoint stored in
+// bf16 and served in fp32, as AVX2 CPUs serve one. Such a weight's panels keep the top halves only.
+bool bf16_exact(const float* v, int64_t n) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(v);
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    uint32_t any = 0;
+    for (int64_t i = begin; i < end; ++i) any |= u[i];
+    if (any & 0xffffu) exact = false;
+  });
+  return exact.load();
+}
+
+// bf16_if_exact: where every weight is a bf16 value, the panels are bfloat16 (half the bytes to read);
+// the tiles widen them back to the same fp32 values, so results are those of fp32 panels bit for bit.
+at::Tensor pack_linear_weight(const at::Tensor& weight, bool bf16_if_exact) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
               "pack_linear_weight: weight must be a 2-D float32 CPU tensor, got ", weight.scalar_type(), " ",
               weight.sizes());
   const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, k, kPanel}, w.options());
   const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+  const bool half = bf16_if_exact && bf16_exact(src, n * k);
+  at::Tensor packed = at::zeros({panels, k, kPanel}, w.options().dtype(half ? at::kBFloat16 : at::kFloat));
+  float* dst = half ? nullptr : packed.data_ptr<float>();
+  uint16_t* dst16 = half ? reinterpret_cast<uint16_t*>(packed.data_ptr()) : nullptr;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, n - p * kPanel);
-      float* panel = dst + p * k * kPanel;
       for (int64_t c = 0; c < cols; ++c) {
         const float* row = src + (p * kPanel + c) * k;
-        for (int64_t i = 0; i < k; ++i) panel[i * kPanel + c] = row[i];
+        if (half) {
+          const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
+          uint16_t* panel = dst16 + p * k * kPanel;
+          for (int64_t i = 0; i < k; ++i) panel[i * kPanel + c] = static_cast<uint16_t>(bits[i] >> 16);
+        } else {
+          float* panel = dst + p * k * kPanel;
+          for (int64_t i = 0; i < k; ++i) panel[i * kPanel + c] = row[i];
+        }
       }
     }
   });
@@ -122,15 +145,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> find_weight_blocks(const at
 
 #if defined(TOKENMILL_LINEAR_AVX2)
 // out[r, 0..cols) = x[r, :] . panel for R rows; cols < 16 only in the last panel.
-template <int R>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo,
+// 8 panel weights as fp32: loaded, or bf16 widened (its bits are the fp32 value's top half).
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int R, typename W>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k, float* out, int64_t ldo,
                  int64_t cols, const float* bias) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
+    const __m256 w0 = load8(panel + i * kPanel);
+    const __m256 w1 = load8(panel + i * kPanel + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * ldx + i);
@@ -160,7 +190,8 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k, flo
   }
 }
 
-void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo,
+template <typename W>
+void rows_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k, float* out, int64_t ldo,
                int64_t cols, const float* bias) {
   switch (rows) {
     case 1: tile<1>(x, ldx, panel, k, out, ldo, cols, bias); break;
@@ -171,6 +202,7 @@ void rows_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, in
     default: tile<6>(x, ldx, panel, k, out, ldo, cols, bias); break;
   }
 }
+
 
 // The same tile on integer codes: panel p's weights are code rows (above) with, per 32 k and per column,
 // w = scale * code + min. The weight is rebuilt in registers with one FMA, which rounds the exact
@@ -256,18 +288,20 @@ void rows_tile_codes(int64_t rows, const float* x, int64_t ldx, const int8_t* co
 
 bool packed_linear_supported() { return tokenmill_cpu::linear_kernels_built(); }
 
-// out [M, N] = x [M, K] @ W^T (+ bias), W given packed by pack_linear_weight.
+// out [M, N] = x [M, K] @ W^T (+ bias), W given packed by pack_linear_weight: fp32 or bf16 panels.
 void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const bool half = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
-                  packed.is_contiguous(),
-              "linear_packed: packed weight is [panels, K=", x.dim() == 2 ? x.size(1) : -1, ", 16], got ",
-              packed.sizes());
+                  packed.is_contiguous() && (half || packed.scalar_type() == at::kFloat),
+              "linear_packed: packed weight is float32 or bfloat16 [panels, K=", x.dim() == 2 ? x.size(1) : -1,
+              ", 16], got ", packed.scalar_type(), " ", packed.sizes());
   const int64_t panels = packed.size(0);
   const float* bp = tokenmill_cpu::check_linear_args("linear_packed", out, x, panels, "the packed weight", bias);
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
 #if defined(TOKENMILL_LINEAR_AVX2)
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
+  const float* wp = half ? nullptr : packed.data_ptr<float>();
+  const uint16_t* wp16 = half ? reinterpret_cast<const uint16_t*>(packed.data_ptr()) : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   // Threads split the panels (output columns), so each weight byte is read by one thread only.
@@ -276,11 +310,16 @@ void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
       const int64_t r1 = std::min(m, r0 + kRowBlock);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, n - p * kPanel);
-        const float* panel = wp + p * k * kPanel;
         const float* pb = bp != nullptr ? bp + p * kPanel : nullptr;
         for (int64_t r = r0; r < r1; r += kTileRows) {
           const int64_t rows = std::min(kTileRows, r1 - r);
-          rows_tile(rows, xp + r * ldx, ldx, panel, k, op + r * ldo + p * kPanel, ldo, cols, pb);
+          float* o = op + r * ldo + p * kPanel;
+          // bf16 panels are widened in registers by every tile: the shifts run beside the FMAs, where
+          // widening a panel once into a buffer per block of rows cost more (8 rows: 3x the time of 4).
+          if (half)
+            rows_tile(rows, xp + r * ldx, ldx, wp16 + p * k * kPanel, k, o, ldo, cols, pb);
+          else
+            rows_tile(rows, xp + r * ldx, ldx, wp + p * k * kPanel, k, o, ldo, cols, pb);
         }
       }
     }
@@ -366,7 +405,7 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight, bool bf16_if_exact=False) -> Tensor");
   m.def("linear_packed(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
   m.def("packed_linear_supported() -> bool", &packed_linear_supported);
   m.def("find_weight_blocks(Tensor weight) -> (Tensor, Tensor, Tensor, bool)");
