@@ -2,6 +2,8 @@
 (the figures below are made up; the expected ratios are computed by hand)."""
 
 
+import math
+
 import pytest
 from tokenmill.engine.bench.peers import markdown, plot, ratio_table, row_from_result
 
@@ -110,6 +112,34 @@ def test_weights_read_from_the_engines_own_check() -> None:
     llama = weights_read("llama.cpp", PeerModel("bundled", "", gguf, gguf), "")
     assert llama is not None and llama.format.startswith("GGUF") and "Q4_1" in llama.format
     assert llama.parameters == w.parameters and llama.bytes_per_weight < 1.0
+
+
+def test_a_bf16_checkpoint_is_named_as_tokenmill_holds_it(tmp_path, bundled_model_dir) -> None:
+    """Served in fp32 (the default below AVX-512 BF16) with the CPU kernels, a bf16 checkpoint is held as
+    bf16 panels: 2 bytes a linear weight, and the table says so rather than "float32"."""
+    import torch
+    from tokenmill.engine.bench.peers import PeerModel, weights_read
+    from tokenmill.kernels.cpu_probe import probe
+
+    from tests.tiny_models import make_tiny_model
+
+    folder = str(make_tiny_model(tmp_path, "llama", tokenizer_dir=bundled_model_dir, dtype=torch.bfloat16))
+    w = weights_read("tokenmill", PeerModel("tiny", folder, folder, None), "")
+    if probe().at_least("avx512_bf16"):  # served in bf16: the checkpoint's own bytes
+        assert w.format == "bfloat16" and w.bytes_per_weight == 2.0
+    elif probe().at_least("avx2"):
+        # Every matrix a kernel multiplies by at 2 bytes; the untied embedding table (a lookup) and the
+        # norms at fp32's 4, counted here from the checkpoint's own tensors.
+        from safetensors import safe_open
+
+        with safe_open(f"{folder}/model.safetensors", "pt") as f:
+            sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        expected = sum(
+            (4 if "embed_tokens" in k or "norm" in k else 2) * math.prod(shape) for k, shape in sizes.items()
+        )
+        assert w.format == "bf16 panels (float32)" and w.weight_bytes == expected, (w, expected)
+    else:
+        assert w.format == "float32" and w.bytes_per_weight == 4.0
 
 
 def test_peak_rss_counts_the_servers_children() -> None:

@@ -296,10 +296,13 @@ def weights_read(engine: str, model: PeerModel, server_log: str) -> WeightsRead 
 
         plan = plan_engine(EngineConfig(model=model.serve, device="cpu"), config_only=True)
         held = plan.weights
-        codes = sorted(t for t in held.types if t.startswith("Q"))
-        # Codes are held where the weights take less than the served dtype's bytes (else dequantized at load).
-        kept = codes and held.loaded_bytes < held.parameters * dtype_bytes(plan.dtype)
-        fmt = f"{'/'.join(codes)} codes ({plan.dtype})" if kept else plan.dtype
+        codes = sorted(t for t in held.types if t.startswith("Q") or t == "int4")
+        # Codes are held where the weights take less than the served dtype's bytes (else dequantized at load);
+        # without codes, less than those bytes is a bf16 checkpoint on the fp32 kernel's bf16 panels.
+        below = held.loaded_bytes < held.parameters * dtype_bytes(plan.dtype)
+        fmt = f"{'/'.join(codes)} codes ({plan.dtype})" if codes and below else plan.dtype
+        if below and not codes:
+            fmt = f"bf16 panels ({plan.dtype})"
         return WeightsRead(engine, model.name, held.loaded_bytes, held.parameters, fmt)
     if engine == "vllm":
         m = re.search(r"dtype=torch\.(\w+)", server_log)
