@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -127,8 +128,13 @@ class OperatorProcess:
 
     def start(self) -> OperatorProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # A fresh Hub cache each start, as a restarted operator pod has: the default (~/.cache/huggingface)
+        # outlives test runs, and a config.json an earlier run cached was never asked for again (a CI on a
+        # clean home saw the operator's fetch that a warm home hid).
+        home = tempfile.mkdtemp(prefix="operator-hf-home-", dir=self.log.parent)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HOME": home}
         env.pop("KUBECONFIG", None)
+        env.pop("HF_HUB_CACHE", None)
         with open(self.log, "ab") as f:
             f.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.argv)}\n".encode())
             self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -42,6 +42,7 @@ from test_pod_runner import (
     wait_ready_sampling_kstatus,
     with_runner,
 )
+from tokenmill.engine.model.source import ENGINE_CLIENT, OPERATOR_CLIENT
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_BF16 = "standin/SmolLM2-135M-Instruct-bf16"
@@ -86,9 +87,12 @@ def engine_pid(runner: PodRunner, pod: dict) -> int:
     return pid
 
 
-def file_gets(hub: HubStandin, repo: str) -> list[str]:
-    """Every answered GET of a file's content (not HEADs, not API calls)."""
-    return [r.filename for r in hub.requests(repo, "GET") if r.filename and r.status in (200, 206)]
+def file_gets(hub: HubStandin, repo: str, client: str = ENGINE_CLIENT) -> list[str]:
+    """Every answered GET of a file's content (not HEADs, not API calls) by one client: the engines'
+    ("tokenmill/...") or the operator's ("tokenmill-operator/...", its sizing lookups), told apart by the
+    User-Agent each names itself in."""
+    return [r.filename for r in hub.requests(repo, "GET")
+            if r.filename and r.status in (200, 206) and r.user_agent.startswith(f"{client}/")]
 
 
 def weights_bytes(hub: HubStandin, repo: str) -> int:
@@ -138,6 +142,10 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
         gets = file_gets(hub, repo)
         assert gets.count(WEIGHTS) == 1, gets
         assert len(gets) == len(set(gets)), gets
+        # The operator reads config.json only for a model its catalog lacks (the bf16 twin's stand-in name),
+        # once; nothing else of the repo.
+        assert file_gets(hub, repo, OPERATOR_CLIENT) == (["config.json"] if repo == SMOLLM2_BF16 else []), \
+            hub.requests(repo)
 
         # A restart (pod deleted, the ReplicaSet makes a new one) reads the cache: no file fetched at all.
         hub.reset_log()
@@ -153,7 +161,7 @@ def test_hub_example_downloads_once_into_the_shared_cache_and_answers(
         wait_for(lambda: (o := get(cluster, ISVC, name, namespace)) and o["status"].get("readyReplicas") == 2,
                  "readyReplicas 2 again", timeout=60)
         assert completion(new).status_code == 200
-        assert file_gets(hub, repo) == [], hub.requests(repo)
+        assert file_gets(hub, repo) == file_gets(hub, repo, OPERATOR_CLIENT) == [], hub.requests(repo)
         assert pod_runner.all_errors() == []
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s", check=False)

@@ -87,6 +87,7 @@ class RequestRecord:
     range: str | None
     authorization: bool
     status: int
+    user_agent: str = ""  # the client's name first: "tokenmill/0.1.0; hf_hub/..." or "tokenmill-operator/..."
 
 
 def _hash_file(path: pathlib.Path, lfs: bool) -> tuple[str, str | None]:
@@ -281,6 +282,7 @@ class _Handler(BaseHTTPRequestHandler):
                     range=self.headers.get("Range"),
                     authorization=bool(self.headers.get("Authorization")),
                     status=status,
+                    user_agent=self.headers.get("User-Agent", ""),
                 )
             )
 

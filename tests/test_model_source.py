@@ -4,6 +4,7 @@ client from the Hub stand-in (tests/hub_standin.py) via HF_ENDPOINT, counted by 
 import json
 import pathlib
 import shutil
+from importlib import metadata
 
 import pytest
 from hub_standin import HubStandin
@@ -129,6 +130,10 @@ def test_revisions_are_pinned_and_only_loaded_files_fetched(hub_env, tiny, tmp_p
     assert fetched == {p.name for p in tiny.iterdir()}
     assert not {"pytorch_model.bin", "README.md", "original/consolidated.safetensors"} & fetched
     assert set(fetched) <= {*ALLOW_PATTERNS, "model.safetensors"}
+    # The engine names itself in every request (the operator's lookups say tokenmill-operator).
+    assert {r.user_agent.split(";")[0] for r in hub.requests("tiny/llama")} == {
+        f"tokenmill/{metadata.version('tokenmill')}"
+    }
 
 
 def test_a_cached_snapshot_is_used_without_any_request(hub_env) -> None:

@@ -6,6 +6,7 @@ import base64
 import json
 import pathlib
 import socket
+from importlib import metadata
 
 import numpy as np
 import pytest
@@ -57,6 +58,9 @@ def test_fetch_reads_commit_weights_parameters_and_config(hub, model_dir, tmp_pa
     without = fetch("acme/tiny-chat", None, None, hub.url, with_config=False, cache_dir=str(tmp_path))
     assert without.config is None and without.revision == "main"
     assert hub.downloads("acme/tiny-chat", "config.json") == 1
+    # Every request names the operator (API call, HEAD and GET alike), so a Hub's logs tell it from the engines.
+    agents = {r.user_agent.split(";")[0] for r in hub.requests("acme/tiny-chat")}
+    assert agents == {f"tokenmill-operator/{metadata.version('tokenmill')}"}, agents
 
 
 @pytest.mark.parametrize(("repo", "revision", "token", "reason", "words"), [

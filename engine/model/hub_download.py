@@ -10,7 +10,14 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.model.source import ALLOW_PATTERNS, IGNORE_PATTERNS, ModelSource, ModelSourceError
+from tokenmill.engine.model.source import (
+    ALLOW_PATTERNS,
+    ENGINE_CLIENT,
+    IGNORE_PATTERNS,
+    ModelSource,
+    ModelSourceError,
+    hub_client,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,7 @@ def download_hf(
     kw: dict[str, Any] = dict(
         repo_id=source.repo_id, revision=source.revision, cache_dir=hub.cache_dir, endpoint=hub.endpoint,
         token=hub.token,  # None: the client's own lookup (a stored `hf auth login` token)
+        **hub_client(ENGINE_CLIENT),
     )  # fmt: skip
     try:
         if config_only:

@@ -21,6 +21,7 @@ import threading
 import time
 from contextlib import nullcontext
 
+from tokenmill.engine.model.source import OPERATOR_CLIENT, hub_client
 from tokenmill.operator.plan.observations import HubError, HubModel
 
 log = logging.getLogger("tokenmill.operator")
@@ -58,7 +59,8 @@ def fetch(repo_id: str, revision: str | None, token: str | None, endpoint: str |
     from huggingface_hub import errors as hf_errors
 
     where = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
-    api = HfApi(endpoint=endpoint, token=token or False)
+    client = hub_client(OPERATOR_CLIENT)
+    api = HfApi(endpoint=endpoint, token=token or False, **client)
     try:
         info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_SECONDS)
         gated = bool(info.gated)
@@ -72,7 +74,8 @@ def fetch(repo_id: str, revision: str | None, token: str | None, endpoint: str |
             # (force_download would do it too, but it wraps the Hub's errors in a bare ValueError.)
             with tempfile.TemporaryDirectory(prefix="tm-gated-") if gated else nullcontext(cache_dir) as where_to:
                 path = hf_hub_download(repo_id, "config.json", revision=info.sha, token=token or False,
-                                       endpoint=endpoint, cache_dir=where_to, etag_timeout=HUB_TIMEOUT_SECONDS)
+                                       endpoint=endpoint, cache_dir=where_to, etag_timeout=HUB_TIMEOUT_SECONDS,
+                                       **client)
                 with open(path, encoding="utf-8") as f:
                     config = json.load(f)
             if not with_config:
