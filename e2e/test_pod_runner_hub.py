@@ -42,7 +42,7 @@ from test_pod_runner import (
     wait_ready_sampling_kstatus,
     with_runner,
 )
-from tokenmill.engine.model.source import ENGINE_CLIENT, OPERATOR_CLIENT
+from tokenmill.engine.hub_client import ENGINE_CLIENT, OPERATOR_CLIENT
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_BF16 = "standin/SmolLM2-135M-Instruct-bf16"

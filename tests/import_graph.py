@@ -24,7 +24,7 @@ ENGINE_ORDER = [
 ]  # fmt: skip
 ENGINE_LEAVES = {"config", "model_config", "sampling_params", "outputs", "request", "kv_memory", "metric_names",
                  "parallel_check", "load_memory", "lora_request", "lora_memory", "gguf_header",
-                 "quant_memory"}  # fmt: skip
+                 "quant_memory", "hub_client"}  # fmt: skip
 # The operator (operator/__init__.py): which units each unit may import besides itself.
 OPERATOR_RULES = {
     "cli": {"handlers", "reconcile", "self_metrics", "children", "plan"},
@@ -42,7 +42,7 @@ OPERATOR_RULES = {
 }
 # What of the engine the operator may import: the leaves its image can run without torch.
 OPERATOR_ENGINE_LEAVES = {"kv_memory", "metric_names", "config", "parallel_check", "load_memory", "lora_memory",
-                          "gguf_header", "quant_memory"}
+                          "gguf_header", "quant_memory", "hub_client"}
 
 
 def modules() -> dict[str, pathlib.Path]:

@@ -10,14 +10,8 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.model.source import (
-    ALLOW_PATTERNS,
-    ENGINE_CLIENT,
-    IGNORE_PATTERNS,
-    ModelSource,
-    ModelSourceError,
-    hub_client,
-)  # fmt: skip
+from tokenmill.engine.hub_client import ENGINE_CLIENT, hub_client
+from tokenmill.engine.model.source import ALLOW_PATTERNS, IGNORE_PATTERNS, ModelSource, ModelSourceError
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,23 +50,6 @@ TOKENIZER_FILES = (
 ALLOW_PATTERNS = [*CONFIG_FILES, *WEIGHT_PATTERNS, *TOKENIZER_FILES]
 IGNORE_PATTERNS = ["*/*"]  # fnmatch's * crosses '/': this keeps subfolders out
 
-# Who asks, in the Hub client's User-Agent ("tokenmill-operator/0.1.0; hf_hub/..."): a Hub's logs (and the
-# tests' stand-in) tell the operator's sizing lookups from the engines' downloads.
-ENGINE_CLIENT = "tokenmill"
-OPERATOR_CLIENT = "tokenmill-operator"
-
-
-def hub_client(name: str) -> dict[str, str]:
-    """huggingface_hub's library_name / library_version arguments naming `name` at this package's version."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("tokenmill")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    return {"library_name": name, "library_version": version}
-
-
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _SCHEME = re.compile(r"^([a-z][a-z0-9+.-]*)://(.*)$")
 

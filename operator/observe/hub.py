@@ -21,7 +21,7 @@ import threading
 import time
 from contextlib import nullcontext
 
-from tokenmill.engine.model.source import OPERATOR_CLIENT, hub_client
+from tokenmill.engine.hub_client import OPERATOR_CLIENT, hub_client
 from tokenmill.operator.plan.observations import HubError, HubModel
 
 log = logging.getLogger("tokenmill.operator")
