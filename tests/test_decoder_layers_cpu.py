@@ -1,6 +1,7 @@
-"""engine/models/llama_cpu_decoder.py: a bf16 step's layers after the first in one C++ call give the Python layer loop's
-tokens and logprobs bit for bit, on the bundled model, at batch sizes that take each linear kernel: from its
-integer codes (the GGUF conversion) and from dense bf16 panels (the same model stored in bf16)."""
+"""engine/models/llama_cpu_decoder.py: a step's layers after the first in one C++ call give the Python layer loop's
+tokens and logprobs bit for bit, on the bundled model, at batch sizes that take each linear kernel: in bf16 from
+its integer codes (the GGUF conversion) and from dense bf16 panels (the same model stored in bf16); in fp32
+(the dtype below AVX-512 BF16) from the codes and from the fp32 kernel's bf16 panels of the bf16 checkpoint."""
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def _loop_expected() -> bool:
 @pytest.fixture(scope="module")
 def llm_bf16():
     # Where the CPU has the codes kernels the loop must be on; elsewhere the test checks the Python path.
-    assert llama_cpu_decoder.fused_layers_enabled() == _loop_expected()
+    assert (llama_cpu_decoder.fused_layers_enabled() and bf16_dot_supported()) == _loop_expected()
     return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False)
 
 
@@ -95,5 +96,33 @@ def test_fused_layers_on_dense_bf16_give_the_python_loops_tokens_and_logprobs(ll
         assert not calls
     if calls:
         want, none = _generate(llm_dense, prompts, False, monkeypatch)
+        assert not none
+        assert got == want
+
+
+@pytest.fixture(scope="module", params=["gguf", "bf16-checkpoint"])
+def llm_fp32(request, bundled_checkpoint):
+    """The bundled model served in fp32: its GGUF (integer codes) or its bf16 checkpoint (bf16 panels)."""
+    model = None if request.param == "gguf" else str(bundled_checkpoint("bfloat16"))
+    return LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=48, num_kv_blocks=160,
+               enable_prefix_caching=False)
+
+
+# 1 and 6 rows: the codes' and panels' tile kernels; 40 rows: past CPU_PACKED_MAX_ROWS, where codes take the
+# cache-blocked GEMM (cpu_gemm.cpp) inside the loop too, since no fp32 copy is kept for torch's linear.
+@pytest.mark.parametrize("batch", [1, 6, 40])
+def test_fused_layers_in_fp32_give_the_python_loops_tokens_and_logprobs(llm_fp32, batch, monkeypatch) -> None:
+    model = llm_fp32.engine.core.executor.worker.runner.model
+    linears = [m for layer in model.model.layers[1:] for m in layer.modules() if isinstance(m, Linear)]
+    # The loop runs where every projection holds the CPU kernels' weights alone (codes or panels, no fp32
+    # copy): what the capability probe gives this machine, read from the loaded model.
+    alone = all(m.packed_cpu is not None and m.packed_cpu.stands_alone and m.weight is None for m in linears)
+    expected = llama_cpu_decoder.fused_layers_enabled() and alone
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (batch,), generator=g)]
+    got, calls = _generate(llm_fp32, prompts, True, monkeypatch)
+    assert (batch in calls) == expected, calls  # the decode steps went through the C++ loop, or none did
+    if calls:
+        want, none = _generate(llm_fp32, prompts, False, monkeypatch)
         assert not none
         assert got == want

@@ -118,16 +118,19 @@ def test_8bit_caches_keep_greedy_parity_with_the_models_dtype_cache(bundled, dty
         assert p.compared_steps >= len(PROMPTS) * TOKENS // 2, what
 
 
-def test_the_fused_cpu_layer_loop_reads_an_8bit_cache_as_the_python_loop_does(bundled, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_fused_cpu_layer_loop_reads_an_8bit_cache_as_the_python_loop_does(bundled, monkeypatch, dtype):
     """kernels/csrc/cpu_decoder.cpp calls the same C++ store and attention ops, which take the 8-bit cache
-    as it is: its tokens and logprobs are the Python layer loop's bit for bit (where the CPU runs the loop)."""
-    llm = bundled("bfloat16", ("int8",))["int8"]
+    as it is: its tokens and logprobs are the Python layer loop's bit for bit (where the CPU runs the loop:
+    fp32 wherever the packed kernels build, bf16 only with the AVX-512 BF16 dot kernels)."""
+    llm = bundled(dtype, ("int8",))["int8"]
     calls = []
     run = llama_cpu_decoder.run_layers
     monkeypatch.setattr(llama_cpu_decoder, "run_layers", lambda *a, **k: calls.append(1) or run(*a, **k))
     fused = generate_greedy(llm, PROMPTS[:6], 12, top_k=3)
     monkeypatch.setattr(llama_cpu_decoder, "step_fits", lambda hidden, rope, md: False)
     python = generate_greedy(llm, PROMPTS[:6], 12, top_k=3)
-    assert bool(calls) == (llama_cpu_decoder.fused_layers_enabled() and bf16_dot_supported())
+    runs = llama_cpu_decoder.fused_layers_enabled() and (dtype == "float32" or bf16_dot_supported())
+    assert bool(calls) == runs
     for a, b in zip(fused, python, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs

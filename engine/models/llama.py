@@ -216,7 +216,7 @@ class LlamaModel(nn.Module):
             # The C++ layer loop knows nothing of adapters: a step with adapter rows stays in Python.
             lora_rows = self.lora_state is not None and self.lora_state.active
             if i == 1 and not lora_rows and llama_cpu_decoder.step_fits(hidden, rope, attn_metadata):
-                fused = self._fused_weights(kv_caches)
+                fused = self._fused_weights(kv_caches, hidden.dtype)
                 if fused is not None and hidden.shape[0] <= fused.max_rows:  # the rest of the layers in one C++ call
                     hidden, residual = llama_cpu_decoder.run_layers(layer, fused.weights, hidden, residual, rope,
                                                                     attn_metadata)
@@ -227,13 +227,15 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _fused_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> llama_cpu_decoder.FusedLayers | None:
+    def _fused_weights(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> llama_cpu_decoder.FusedLayers | None:
         """llama_cpu_decoder's weight list for layers 1.. (built once per KV pool), or None where it cannot run."""
         # A new KV pool or new projection weights (packing replaces them) make a new list.
-        key = (id(kv_caches[0][0]) if kv_caches else None, id(self.layers[-1].mlp.down_proj.packed_cpu))
+        key = (id(kv_caches[0][0]) if kv_caches else None, id(self.layers[-1].mlp.down_proj.packed_cpu), dtype)
         if self._fused is None or self._fused[0] != key:
             ok = llama_cpu_decoder.fused_layers_enabled() and self.par.tp_size == 1 and len(self.layers) > 1
-            weights = llama_cpu_decoder.layer_weights(list(self.layers[1:]), kv_caches[1:]) if ok else None
+            weights = llama_cpu_decoder.layer_weights(list(self.layers[1:]), kv_caches[1:], dtype) if ok else None
             self._fused = (key, weights)
         return self._fused[1]
 

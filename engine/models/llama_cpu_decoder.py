@@ -1,5 +1,6 @@
 """A step's decoder layers after the first in one C++ call (kernels/csrc/cpu_decoder.cpp), for bf16
-models on the CPU whose projections run from their integer codes or from dense bf16 panels.
+models on the CPU whose projections run from their integer codes or from dense bf16 panels, and for fp32
+models (CPUs without AVX-512 BF16) whose projections run from integer codes or the fp32 kernel's panels.
 
 Why: at batch 1 Python's share of the bundled model's forward was 5.97 of 20.4 ms (every kernel replaced by
 a no-op; docs/benchmark-log.md): ~300 op calls a step, each a module call, an allocation and the
@@ -17,6 +18,7 @@ import torch
 from tokenmill.engine.layers.attention import AttentionMetadata
 from tokenmill.engine.layers.cpu_gemm_policy import (
     AMX_MIN_ROWS,
+    CPU_PACKED_MAX_ROWS,
     amx_codes_supported,
     amx_dequant_min_rows,
     bf16_codes_max_rows,
@@ -37,7 +39,7 @@ def fused_layers_enabled() -> bool:
     if os.environ.get("TOKENMILL_FUSED_LAYERS", "1") == "0":
         return False
     ops = cpu_kernels.load()
-    return ops is not None and hasattr(ops, "decoder_layers") and bf16_dot_supported()
+    return ops is not None and hasattr(ops, "decoder_layers") and bool(ops.packed_linear_supported())
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +48,18 @@ class FusedLayers:
     max_rows: int  # the most rows a step may have: every projection's kernel takes them
 
 
-def _linear_parts(lin: Linear) -> list[torch.Tensor] | None:
-    """codes, scales, mins, bias of a projection on codes; for one on dense bf16 panels the panels in the
-    codes' place (cpu_decoder.cpp tells them apart by dtype) and empty scales and mins."""
+def _linear_parts(lin: Linear, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """codes, scales, mins, bias of a projection on codes; for one on dense bf16 panels (bf16 rows) or the
+    fp32 kernel's panels (fp32 rows) the panels in the codes' place (cpu_decoder.cpp tells them apart by
+    the rows' dtype and the panels' own) and empty scales and mins."""
     packed = lin.packed_cpu
+    if dtype == torch.float32:  # Linear.forward's fp32 branch: CpuPackedWeight.linear with the fp32 bias
+        if packed is None or (packed.codes is None and packed.fp32 is None):
+            return None
+        bias = lin.bias if lin.bias is not None else torch.empty(0)
+        if packed.codes is None:
+            return [packed.fp32, torch.empty(0), torch.empty(0), bias]
+        return [packed.codes, packed.scales, packed.mins, bias]
     dense = getattr(packed, "dense", None)
     if dense is None and getattr(packed, "codes", None) is None:  # none, fp32 panels, or another layout (grouped_codes.py)
         return None
@@ -59,27 +69,33 @@ def _linear_parts(lin: Linear) -> list[torch.Tensor] | None:
     return [packed.codes, packed.scales, packed.mins, bias]
 
 
-def _linear_max_rows(lin: Linear) -> int:
+def _linear_max_rows(lin: Linear, dtype: torch.dtype) -> int:
+    if dtype == torch.float32:  # past CPU_PACKED_MAX_ROWS Linear.forward takes torch's linear on a kept weight
+        return _NEVER if lin.weight is None else CPU_PACKED_MAX_ROWS
     return dense_bf16_max_rows() if getattr(lin.packed_cpu, "dense", None) is not None else bf16_codes_max_rows()
 
 
-def layer_weights(layers: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedLayers | None:
+def layer_weights(
+    layers: list, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+) -> FusedLayers | None:
     """cpu_decoder.cpp's flat list for these layers (20 tensors each) and the rows it takes, or None when
-    some layer cannot run there (q/k norms, a projection on neither codes nor dense panels, norm weights
-    that are not bf16)."""
+    some layer cannot run there (q/k norms, a projection without the CPU kernels' weights for `dtype`,
+    norm weights not in `dtype`, bf16 rows without the AVX-512 BF16 dot kernels)."""
+    if dtype not in (torch.bfloat16, torch.float32) or (dtype == torch.bfloat16 and not bf16_dot_supported()):
+        return None
     flat: list[torch.Tensor] = []
     max_rows = 1 << 62
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if attn.qk_norm or any(w.dtype != torch.bfloat16 for w in norms):
+        if attn.qk_norm or any(w.dtype != dtype for w in norms):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        parts = [_linear_parts(lin) for lin in linears]
+        parts = [_linear_parts(lin, dtype) for lin in linears]
         if any(p is None for p in parts):
             return None
         flat += [n.detach() for n in norms] + [t for p in parts for t in p] + [k_cache, v_cache]
-        max_rows = min([max_rows] + [_linear_max_rows(lin) for lin in linears])
+        max_rows = min([max_rows] + [_linear_max_rows(lin, dtype) for lin in linears])
     return FusedLayers(flat, max_rows)
 
 
@@ -106,6 +122,7 @@ def run_layers(
         AMX_MIN_ROWS if amx_codes_supported() else _NEVER,
         amx_dequant_min_rows(),
         bf16_gemm_min_rows(),
+        CPU_PACKED_MAX_ROWS,
     ]
     return cpu_kernels.load().decoder_layers(
         hidden,
@@ -125,10 +142,10 @@ def run_layers(
 
 
 def step_fits(hidden: torch.Tensor, rope: Rope, md: AttentionMetadata) -> bool:
-    """Whether this step's remaining layers can take the C++ loop: bf16 rows, the full rotary tables, and
-    attention the first layer cleared for the C++ kernel (the rows' limit is FusedLayers.max_rows)."""
+    """Whether this step's remaining layers can take the C++ loop: bf16 or fp32 rows, the full rotary tables,
+    and attention the first layer cleared for the C++ kernel (the rows' limit is FusedLayers.max_rows)."""
     return (
-        hidden.dtype == torch.bfloat16
+        hidden.dtype in (torch.bfloat16, torch.float32)
         and hidden.device.type == "cpu"
         and not rope.gathered
         and md.cpu_direct is not None

@@ -218,6 +218,14 @@ void embedding_q8(at::Tensor out, const at::Tensor& ids, const at::Tensor& codes
 
 }  // namespace
 
+// The op as a plain call for cpu_decoder.cpp (cpu_ops.h).
+namespace tokenmill_cpu {
+void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  ::linear_q8_gemm(out, x, codes, scales, mins, bias);
+}
+}  // namespace tokenmill_cpu
+
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("linear_q8_gemm(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias) -> ()");
   m.impl("linear_q8_gemm", c10::DispatchKey::CPU, &linear_q8_gemm);

@@ -404,6 +404,17 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
 
 }  // namespace
 
+// The ops as plain calls for cpu_decoder.cpp (cpu_ops.h).
+namespace tokenmill_cpu {
+void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  ::linear_packed(out, x, packed, bias);
+}
+void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+  ::linear_packed_q8(out, x, codes, scales, mins, bias);
+}
+}  // namespace tokenmill_cpu
+
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("pack_linear_weight(Tensor weight, bool bf16_if_exact=False) -> Tensor");
   m.def("linear_packed(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");

@@ -28,5 +28,11 @@ void linear_codes_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& co
                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
+// fp32 rows: fp32 or bf16 panels (cpu_linear.cpp), and integer codes (cpu_linear.cpp, cpu_gemm.cpp).
+void linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
+void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 
 }  // namespace tokenmill_cpu
