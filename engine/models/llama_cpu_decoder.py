@@ -26,7 +26,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     bf16_gemm_min_rows,
     dense_bf16_max_rows,
 )
-from tokenmill.engine.layers.linear import Linear
+from tokenmill.engine.layers.linear import CpuPackedWeight, Linear
 from tokenmill.engine.layers.rotary_embedding import Rope
 from tokenmill.kernels import cpu as cpu_kernels
 
@@ -54,7 +54,8 @@ def _linear_parts(lin: Linear, dtype: torch.dtype) -> list[torch.Tensor] | None:
     the rows' dtype and the panels' own) and empty scales and mins."""
     packed = lin.packed_cpu
     if dtype == torch.float32:  # Linear.forward's fp32 branch: CpuPackedWeight.linear with the fp32 bias
-        if packed is None or (packed.codes is None and packed.fp32 is None):
+        # Split parts (a GGUF's q|k|v in two layouts) and grouped codes have kernels the loop does not call.
+        if not isinstance(packed, CpuPackedWeight) or (packed.codes is None and packed.fp32 is None):
             return None
         bias = lin.bias if lin.bias is not None else torch.empty(0)
         if packed.codes is None:
