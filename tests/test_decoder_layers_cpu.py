@@ -28,7 +28,7 @@ def _loop_expected() -> bool:
 @pytest.fixture(scope="module")
 def llm_bf16():
     # Where the CPU has the codes kernels the loop must be on; elsewhere the test checks the Python path.
-    assert (llama_cpu_decoder.fused_layers_enabled() and bf16_dot_supported()) == _loop_expected()
+    assert llama_cpu_decoder.fused_layers_enabled(torch.bfloat16) == _loop_expected()
     return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False)
 
 
@@ -84,7 +84,7 @@ def llm_dense(bundled_checkpoint):
 def test_fused_layers_on_dense_bf16_give_the_python_loops_tokens_and_logprobs(llm_dense, batch, monkeypatch) -> None:
     model = llm_dense.engine.core.executor.worker.runner.model
     linears = [m for m in model.model.modules() if isinstance(m, Linear)]
-    dense = dense_bf16_supported() and llama_cpu_decoder.fused_layers_enabled()
+    dense = dense_bf16_supported() and llama_cpu_decoder.fused_layers_enabled(torch.bfloat16)
     assert all((m.packed_cpu is not None and m.packed_cpu.dense is not None) == dense_bf16_supported() for m in linears)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (batch,), generator=g)]
@@ -117,7 +117,7 @@ def test_fused_layers_in_fp32_give_the_python_loops_tokens_and_logprobs(llm_fp32
     # The loop runs where every projection holds the CPU kernels' weights alone (codes or panels, no fp32
     # copy): what the capability probe gives this machine, read from the loaded model.
     alone = all(m.packed_cpu is not None and m.packed_cpu.stands_alone and m.weight is None for m in linears)
-    expected = llama_cpu_decoder.fused_layers_enabled() and alone
+    expected = llama_cpu_decoder.fused_layers_enabled(torch.float32) and alone
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (batch,), generator=g)]
     got, calls = _generate(llm_fp32, prompts, True, monkeypatch)

@@ -8,10 +8,10 @@ average within MEAN_LOGPROB_DIFF; where greedy tokens part, each run's token is 
 """
 
 import pytest
+import torch
 from tokenmill.engine import LLM, kv_memory
 from tokenmill.engine.bench.kv_cache import PARITY_PROMPTS, generate_greedy, greedy_parity
 from tokenmill.engine.cli.serve import engine_config, parse_args
-from tokenmill.engine.layers.cpu_gemm_policy import bf16_dot_supported
 from tokenmill.engine.models import llama_cpu_decoder
 
 from tests.tiny_models import make_tiny_model
@@ -130,7 +130,6 @@ def test_the_fused_cpu_layer_loop_reads_an_8bit_cache_as_the_python_loop_does(bu
     fused = generate_greedy(llm, PROMPTS[:6], 12, top_k=3)
     monkeypatch.setattr(llama_cpu_decoder, "step_fits", lambda hidden, rope, md: False)
     python = generate_greedy(llm, PROMPTS[:6], 12, top_k=3)
-    runs = llama_cpu_decoder.fused_layers_enabled() and (dtype == "float32" or bf16_dot_supported())
-    assert bool(calls) == runs
+    assert bool(calls) == llama_cpu_decoder.fused_layers_enabled(getattr(torch, dtype))
     for a, b in zip(fused, python, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -4,9 +4,9 @@ the fused C++ layer loop (llama_cpu_decoder) still runs base-only steps and neve
 import pathlib
 
 import pytest
+import torch
 from lora_adapters import make_peft_adapter, peft_greedy
 from tokenmill.engine import LLM, LoRARequest, SamplingParams
-from tokenmill.engine.layers.cpu_gemm_policy import bf16_dot_supported
 from tokenmill.engine.models import llama_cpu_decoder
 
 MAX_TOKENS = 12
@@ -61,7 +61,7 @@ def test_fused_layer_loop_never_runs_a_step_with_adapter_rows(adapter, bf16_llm,
     assert len(calls) == base_calls  # no step with adapter rows went through the C++ loop
     assert tuned != base
     # Where this CPU runs the loop at all (kernels/cpu_probe.py's tier: bf16 dot kernels), the base steps used it.
-    if llama_cpu_decoder.fused_layers_enabled() and bf16_dot_supported():  # bf16 rows need the dot kernels
+    if llama_cpu_decoder.fused_layers_enabled(torch.bfloat16):
         assert base_calls > 0
 
 

@@ -234,7 +234,7 @@ class LlamaModel(nn.Module):
         # A new KV pool or new projection weights (packing replaces them) make a new list.
         key = (id(kv_caches[0][0]) if kv_caches else None, id(self.layers[-1].mlp.down_proj.packed_cpu), dtype)
         if self._fused is None or self._fused[0] != key:
-            ok = llama_cpu_decoder.fused_layers_enabled() and self.par.tp_size == 1 and len(self.layers) > 1
+            ok = llama_cpu_decoder.fused_layers_enabled(dtype) and self.par.tp_size == 1 and len(self.layers) > 1
             weights = llama_cpu_decoder.layer_weights(list(self.layers[1:]), kv_caches[1:], dtype) if ok else None
             self._fused = (key, weights)
         return self._fused[1]

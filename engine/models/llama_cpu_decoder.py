@@ -34,12 +34,15 @@ _NEVER = 1 << 62  # a row threshold no batch reaches
 
 
 @functools.cache
-def fused_layers_enabled() -> bool:
-    """Whether the C++ layer loop may run (TOKENMILL_FUSED_LAYERS=0: never; read once per process)."""
-    if os.environ.get("TOKENMILL_FUSED_LAYERS", "1") == "0":
+def fused_layers_enabled(dtype: torch.dtype) -> bool:
+    """Whether the C++ layer loop may run steps of `dtype` rows (TOKENMILL_FUSED_LAYERS=0: never; read once
+    per process): fp32 wherever the packed fp32 kernels build, bf16 only with the AVX-512 BF16 dot kernels."""
+    if os.environ.get("TOKENMILL_FUSED_LAYERS", "1") == "0" or dtype not in (torch.bfloat16, torch.float32):
         return False
     ops = cpu_kernels.load()
-    return ops is not None and hasattr(ops, "decoder_layers") and bool(ops.packed_linear_supported())
+    if ops is None or not hasattr(ops, "decoder_layers") or not ops.packed_linear_supported():
+        return False
+    return dtype == torch.float32 or bf16_dot_supported()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +84,7 @@ def layer_weights(
 ) -> FusedLayers | None:
     """cpu_decoder.cpp's flat list for these layers (20 tensors each) and the rows it takes, or None when
     some layer cannot run there (q/k norms, a projection without the CPU kernels' weights for `dtype`,
-    norm weights not in `dtype`, bf16 rows without the AVX-512 BF16 dot kernels)."""
-    if dtype not in (torch.bfloat16, torch.float32) or (dtype == torch.bfloat16 and not bf16_dot_supported()):
-        return None
+    norm weights not in `dtype`); the caller checked fused_layers_enabled(dtype)."""
     flat: list[torch.Tensor] = []
     max_rows = 1 << 62
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
