@@ -31,6 +31,7 @@ _SOURCES = [
     _CSRC / "cpu_topk.cpp",
     _CSRC / "cpu_decoder.cpp",
     _CSRC / "cpu_grouped.cpp",
+    _CSRC / "cpu_codes_int8.cpp",
 ]
 # Every header the sources include, found rather than listed: build_name hashes them, and a header left
 # off a list would let an edit to it load the library built before it.

@@ -34,5 +34,8 @@ void linear_packed_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& cod
                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 void linear_q8_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
+// The same with x rounded to int8 per 32 k (cpu_codes_int8.cpp; `--int8-activations`).
+void linear_codes_int8x(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 
 }  // namespace tokenmill_cpu

@@ -1,0 +1,109 @@
+"""Integer-code linears with int8 activations (kernels/csrc/cpu_codes_int8.cpp, `--int8-activations`).
+
+The kernel is not bit-exact with the fp32 weights by design: it rounds each row's x to int8 per 32 k. So
+it is checked two ways: against the same arithmetic written out in torch in float64 (a defined result, to
+fp32 rounding), and against the exact fp32 product within the bound that rounding x allows.
+"""
+
+import pytest
+import torch
+from tokenmill.engine.layers.cpu_gemm_policy import fp32_linear_ops
+from tokenmill.kernels.cpu_probe import needs
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    fp32_linear_ops(CPU, torch.float32) is None, reason=f"{needs('avx2')} (or the C++ kernels did not build)"
+)
+
+
+def _panels(n: int, k: int, nibbles: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random code panels as the kernels take them, every code value included (int8 -128..127)."""
+    g = torch.Generator().manual_seed(seed)
+    p = (n + 15) // 16
+    if nibbles:
+        codes = torch.randint(0, 256, (p, k // 2, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+        codes[0, 0, 0] = 0xFF  # both nibbles at 15
+    else:
+        codes = torch.randint(-128, 128, (p, k, 16), generator=g, dtype=torch.int32).to(torch.int8)
+        codes[0, :32, 0] = -128  # |q| = 128 against x = +-127: the largest pair sum
+    scales = torch.rand(p, k // 32, 16, generator=g) * 0.02 + 1e-3
+    mins = -torch.rand(p, k // 32, 16, generator=g) * 0.1 if nibbles else torch.zeros(p, k // 32, 16)
+    return codes, scales, mins
+
+
+def _weights(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int):
+    """(q, d, m) per weight as float64 [n, K], from the panels."""
+    if codes.dtype == torch.uint8:
+        low, high = (codes & 0x0F).to(torch.int16), (codes >> 4).to(torch.int16)
+        q = torch.stack((low, high), dim=2).reshape(codes.shape[0], -1, 16)  # k = 2j low, 2j + 1 high
+    else:
+        q = codes.to(torch.int16)
+    q = q.permute(0, 2, 1).reshape(-1, q.shape[1])[:n].double()
+    d = scales.permute(0, 2, 1).reshape(-1, scales.shape[1])[:n].double().repeat_interleave(32, dim=1)
+    m = mins.permute(0, 2, 1).reshape(-1, mins.shape[1])[:n].double().repeat_interleave(32, dim=1)
+    return q, d, m
+
+
+def _reference(x: torch.Tensor, codes, scales, mins, n: int, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kernel's arithmetic in float64, the bound on its distance from the exact fp32 product)."""
+    rows, k = x.shape
+    blocks = x.view(rows, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))  # fp32, as the kernel
+    xq = torch.clamp(torch.round(blocks * inv), -127, 127).double()  # round: ties to even, as nearbyint
+    dx = (amax / 127.0).double()
+    q, d, m = _weights(codes, scales, mins, n)
+    qb, db, mb = (t.view(n, k // 32, 32) for t in (q, d, m))
+    isum = torch.einsum("rbi,nbi->rnb", xq, qb)  # exact: integers below 2^53
+    step = db[:, :, 0][None] * dx[:, :, 0][:, None]
+    y = (step * isum).sum(-1) + (mb[:, :, 0][None] * blocks.sum(-1).double()[:, None]).sum(-1)
+    if bias is not None:
+        y = y + bias.double()
+    bound = ((qb * db).abs()[None] * dx[:, None] / 2).sum(dim=(-1, -2))
+    return y, bound
+
+
+@pytest.mark.parametrize("n,k,nibbles", [(50, 96, True), (64, 1056, False), (33, 576, True), (16, 32, False)])
+def test_int8_activations_follow_their_arithmetic_and_stay_within_the_rounding_bound(
+    n: int, k: int, nibbles: bool
+) -> None:
+    ops = fp32_linear_ops(CPU, torch.float32)
+    codes, scales, mins = _panels(n, k, nibbles, seed=n + k)
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(n, generator=g)
+    q, d, m = _weights(codes, scales, mins, n)
+    w = (d * q + m).float()  # the exact weights the codes stand for
+    for rows in (1, 3, 4, 5, 16):
+        x = torch.randn(rows, k, generator=g) * torch.linspace(0.1, 10.0, k)  # blocks of different scales
+        x[0, 32:64] = 0.0  # an all-zero block (where K has two): dx = 0, no division by zero
+        for bias in (None, b):
+            got = torch.empty(rows, n)
+            ops.linear_codes_int8x(got, x, codes, scales, mins, bias)
+            ref, bound = _reference(x, codes, scales, mins, n, bias)
+            magnitude = (x.double().abs() @ (d * q.abs() + m.abs()).T).clamp_min(1.0)
+            assert ((got.double() - ref).abs() <= 1e-5 * magnitude).all()
+            exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert ((got.double() - exact).abs() <= bound + 1e-5 * magnitude).all()
+            # and the rounding is visible: this is not the exact kernel under another name
+            assert not torch.equal(got, exact.float())
+
+
+def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    ops = fp32_linear_ops(CPU, torch.float32)
+    codes, scales, mins = _panels(40, 576, True, seed=3)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(4))
+    full = torch.empty(9, 40)
+    ops.linear_codes_int8x(full, x, codes, scales, mins, None)
+    for i in (0, 3, 4, 8):
+        one = torch.empty(1, 40)
+        ops.linear_codes_int8x(one, x[i : i + 1].clone(), codes, scales, mins, None)
+        assert torch.equal(full[i : i + 1], one)
+
+
+def test_bad_arguments_name_the_problem() -> None:
+    ops = fp32_linear_ops(CPU, torch.float32)
+    codes, scales, mins = _panels(16, 64, True, seed=1)
+    with pytest.raises(RuntimeError, match="K=96"):
+        ops.linear_codes_int8x(torch.empty(1, 16), torch.randn(1, 96), codes, scales, mins, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.linear_codes_int8x(torch.empty(1, 16), torch.randn(1, 64).bfloat16(), codes, scales, mins, None)
