@@ -22,6 +22,10 @@ class EngineConfig:
     # vLLM's --kv-cache-dtype: auto (the model's dtype), an 8-bit cache (int8, fp8 = fp8_e4m3, fp8_e5m2),
     # or the model's dtype by name (kv_memory.KV_CACHE_DTYPES).
     kv_cache_dtype: str = "auto"
+    # Integer-code weights (a Q4_0 / Q4_1 / Q8_0 GGUF) served in fp32 on an AVX2-or-newer CPU multiply
+    # activations rounded to int8 per 32 values, as llama.cpp does: a decode step several times faster,
+    # no longer bit for bit the fp32 model's (docs/engine.md, "int8 activations"). Off: exact.
+    int8_activations: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # CUDA only: skip CUDA graph capture of decode steps

@@ -100,12 +100,13 @@ def test_fused_layers_on_dense_bf16_give_the_python_loops_tokens_and_logprobs(ll
         assert got == want
 
 
-@pytest.fixture(scope="module", params=["gguf", "bf16-checkpoint"])
+@pytest.fixture(scope="module", params=["gguf", "gguf-int8-activations", "bf16-checkpoint"])
 def llm_fp32(request, bundled_checkpoint):
-    """The bundled model served in fp32: its GGUF (integer codes) or its bf16 checkpoint (bf16 panels)."""
-    model = None if request.param == "gguf" else str(bundled_checkpoint("bfloat16"))
+    """The bundled model served in fp32: its GGUF (integer codes; also with int8 activations, whose kernel
+    the loop calls as the Python path does) or its bf16 checkpoint (bf16 panels)."""
+    model = None if request.param.startswith("gguf") else str(bundled_checkpoint("bfloat16"))
     return LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=48, num_kv_blocks=160,
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, int8_activations=request.param == "gguf-int8-activations")
 
 
 # 1 and 6 rows: the codes' and panels' tile kernels; 40 rows: past CPU_PACKED_MAX_ROWS, where codes take the

@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("tokenmill", "vllm", "llama.cpp")
+# tokenmill-int8: tokenmill with --int8-activations (integer-code weights times int8-rounded activations,
+# llama.cpp's arithmetic; not bit-exact with the fp32 model), beside the exact default.
+ENGINES = ("tokenmill", "tokenmill-int8", "vllm", "llama.cpp")
 
 
 @dataclass(slots=True)
@@ -204,10 +206,11 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
 
 
 def server_command(engine: str, port: int, model: PeerModel, vllm_bin: str, llama_server: str) -> list[str]:
-    if engine == "tokenmill":
+    if engine in ("tokenmill", "tokenmill-int8"):
+        int8 = ["--int8-activations"] if engine == "tokenmill-int8" else []
         return [sys.executable, "-m", "tokenmill.engine.cli.main", "serve", "--model", model.serve, "--port",
                 str(port), "--max-num-seqs", "64", "--max-waiting-requests", "0", "--disable-access-log",
-                "--served-model-name", "smollm2"]  # fmt: skip
+                "--served-model-name", "smollm2", *int8]  # fmt: skip
     if engine == "vllm":
         return [f"{vllm_bin}/vllm", "serve", model.hf_dir, "--port", str(port), "--served-model-name", "smollm2",
                 "--dtype", "auto", "--max-num-seqs", "64"]
@@ -289,7 +292,7 @@ def weights_read(engine: str, model: PeerModel, server_log: str) -> WeightsRead 
 
     from tokenmill.engine import quant_memory
 
-    if engine == "tokenmill":  # the engine's plan on this machine: `serve --check`'s and the operator's count
+    if engine in ("tokenmill", "tokenmill-int8"):  # the plan on this machine: `serve --check`'s and the operator's count
         from tokenmill.engine.config import EngineConfig
         from tokenmill.engine.kv_memory import dtype_bytes
         from tokenmill.engine.worker.engine_plan import plan_engine
@@ -303,6 +306,8 @@ def weights_read(engine: str, model: PeerModel, server_log: str) -> WeightsRead 
         fmt = f"{'/'.join(codes)} codes ({plan.dtype})" if codes and below else plan.dtype
         if below and not codes:
             fmt = f"bf16 panels ({plan.dtype})"
+        if engine == "tokenmill-int8" and "int8 activations" in server_log:  # the worker's log: the flag took
+            fmt += ", int8 activations"
         return WeightsRead(engine, model.name, held.loaded_bytes, held.parameters, fmt)
     if engine == "vllm":
         m = re.search(r"dtype=torch\.(\w+)", server_log)

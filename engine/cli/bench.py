@@ -26,6 +26,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2 (`bench kv-cache` compares them)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="fp32 on integer-code weights: activations rounded to int8 per 32 (serve's flag)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own choice, which honours OMP_NUM_THREADS)")
 
@@ -177,6 +179,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "block_size": args.block_size,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "int8_activations": args.int8_activations,
     }
     for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype"):
         if getattr(args, name) is not None:

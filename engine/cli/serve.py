@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache dtype: auto (the model's), int8 or fp8 (= fp8_e4m3) / fp8_e5m2: 8-bit codes with a scale "
         "per token and head, about half the bytes of bf16 (docs/engine.md, '8-bit KV cache')",
     )
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="CPU, fp32 on integer-code weights (a Q4_0/Q4_1/Q8_0 GGUF): round activations to int8 per 32 "
+        "values as llama.cpp does; faster decode, no longer bit-exact (docs/engine.md, 'int8 activations')",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
@@ -387,6 +393,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
+        int8_activations=args.int8_activations,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         enforce_eager=args.enforce_eager,

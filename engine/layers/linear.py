@@ -46,6 +46,8 @@ class CpuPackedWeight:
     scales: torch.Tensor | None = None  # [panels, in / 32, 16]: fp32, or fp16 for the bf16 kernels
     mins: torch.Tensor | None = None
     dense: torch.Tensor | None = None  # bf16 [panels, in / 2, 32]: a bf16 weight as pack_bf16_weight lays it out
+    # fp32 rows on the codes round x to int8 per 32 (kernels/csrc/cpu_codes_int8.cpp): EngineConfig.int8_activations
+    int8_x: bool = False
 
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
@@ -77,6 +79,8 @@ class CpuPackedWeight:
             ops.linear_packed(out, rows, self.fp32, bias)
         elif rows.shape[0] > CPU_PACKED_MAX_ROWS:
             ops.linear_q8_gemm(out, rows, self.codes, self.scales, self.mins, bias)
+        elif self.int8_x and rows.dtype == torch.float32:
+            ops.linear_codes_int8x(out, rows, self.codes, self.scales, self.mins, bias)
         else:
             ops.linear_packed_q8(out, rows, self.codes, self.scales, self.mins, bias)
         return out if flat else out.view(*x.shape[:-1], self.out_features)

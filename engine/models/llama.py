@@ -219,7 +219,7 @@ class LlamaModel(nn.Module):
                 fused = self._fused_weights(kv_caches, hidden.dtype)
                 if fused is not None and hidden.shape[0] <= fused.max_rows:  # the rest of the layers in one C++ call
                     hidden, residual = llama_cpu_decoder.run_layers(layer, fused.weights, hidden, residual, rope,
-                                                                    attn_metadata)
+                                                                    attn_metadata, fused.int8_x)
                     break
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
         if self.norm is None:
@@ -231,8 +231,9 @@ class LlamaModel(nn.Module):
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
     ) -> llama_cpu_decoder.FusedLayers | None:
         """llama_cpu_decoder's weight list for layers 1.. (built once per KV pool), or None where it cannot run."""
-        # A new KV pool or new projection weights (packing replaces them) make a new list.
-        key = (id(kv_caches[0][0]) if kv_caches else None, id(self.layers[-1].mlp.down_proj.packed_cpu), dtype)
+        # A new KV pool, new projection weights (packing replaces them) or int8 activations turned on make a new list.
+        packed = self.layers[-1].mlp.down_proj.packed_cpu
+        key = (id(kv_caches[0][0]) if kv_caches else None, id(packed), getattr(packed, "int8_x", False), dtype)
         if self._fused is None or self._fused[0] != key:
             ok = llama_cpu_decoder.fused_layers_enabled(dtype) and self.par.tp_size == 1 and len(self.layers) > 1
             weights = llama_cpu_decoder.layer_weights(list(self.layers[1:]), kv_caches[1:], dtype) if ok else None

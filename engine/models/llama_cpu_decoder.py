@@ -49,6 +49,7 @@ def fused_layers_enabled(dtype: torch.dtype) -> bool:
 class FusedLayers:
     weights: list[torch.Tensor]  # cpu_decoder.cpp's flat list, 20 tensors per layer
     max_rows: int  # the most rows a step may have: every projection's kernel takes them
+    int8_x: bool = False  # fp32 rows on codes round x to int8 (CpuPackedWeight.int8_x, set on every codes weight)
 
 
 def _linear_parts(lin: Linear, dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -87,6 +88,7 @@ def layer_weights(
     norm weights not in `dtype`); the caller checked fused_layers_enabled(dtype)."""
     flat: list[torch.Tensor] = []
     max_rows = 1 << 62
+    int8_x = False
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -98,7 +100,8 @@ def layer_weights(
             return None
         flat += [n.detach() for n in norms] + [t for p in parts for t in p] + [k_cache, v_cache]
         max_rows = min([max_rows] + [_linear_max_rows(lin, dtype) for lin in linears])
-    return FusedLayers(flat, max_rows)
+        int8_x |= dtype == torch.float32 and any(getattr(lin.packed_cpu, "int8_x", False) for lin in linears)
+    return FusedLayers(flat, max_rows, int8_x)
 
 
 def run_layers(
@@ -108,9 +111,11 @@ def run_layers(
     residual: torch.Tensor,
     rope: Rope,
     md: AttentionMetadata,
+    int8_x: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layers `weights` were built from over hidden and residual: (hidden, residual) after them. `layer`
-    is one of them, for the shapes all share (not a slice of the ModuleList: that builds a new one)."""
+    is one of them, for the shapes all share (not a slice of the ModuleList: that builds a new one).
+    int8_x: FusedLayers.int8_x."""
     attn = layer.self_attn
     _store, _attend, max_rows, max_pairs = md.cpu_direct
     sizes = [
@@ -125,6 +130,7 @@ def run_layers(
         amx_dequant_min_rows(),
         bf16_gemm_min_rows(),
         CPU_PACKED_MAX_ROWS,
+        int(int8_x),
     ]
     return cpu_kernels.load().decoder_layers(
         hidden,

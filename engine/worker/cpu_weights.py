@@ -24,6 +24,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     cpu_linear_mode,
     fp32_linear_ops,
 )
+from tokenmill.engine.layers.linear import CpuPackedWeight
 from tokenmill.engine.layers.weight_codes import CodesCache
 from tokenmill.engine.model.loader import checkpoint_is_float32
 from tokenmill.kernels import cpu as cpu_kernels
@@ -100,6 +101,25 @@ def prepare_weights(
         if not streamed:
             model.pack_linears_cpu(cache=codes_cache)
     release_freed_memory()
+
+
+def use_int8_activations(model: torch.nn.Module) -> int:
+    """Turn on int8 activations (EngineConfig.int8_activations) for every fp32-kernel weight held as integer
+    codes (the projections, the LM head and a tied embedding's packed matrix); returns how many. Others
+    (fp32 or bf16 panels, grouped codes, the bf16 kernels' fp16 scales) stay exact: their kernels have no
+    int8 form."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for value in vars(module).values():
+            if (
+                isinstance(value, CpuPackedWeight)
+                and value.codes is not None
+                and value.scales.dtype == torch.float32
+                and id(value) not in seen
+            ):
+                value.int8_x = True
+                seen.add(id(value))
+    return len(seen)
 
 
 def release_freed_memory() -> None:

@@ -25,7 +25,13 @@ from tokenmill.engine.model.loader import load_model
 from tokenmill.engine.model.weight_codes_cache import open_cache, save_cache
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.request import Request
-from tokenmill.engine.worker.cpu_weights import WeightPlan, loading_hooks, plan_weights, prepare_weights
+from tokenmill.engine.worker.cpu_weights import (
+    WeightPlan,
+    loading_hooks,
+    plan_weights,
+    prepare_weights,
+    use_int8_activations,
+)
 from tokenmill.engine.worker.device import DTYPES, KV_CACHE_TORCH_DTYPES
 from tokenmill.engine.worker.engine_plan import CUDA_KV_CACHE_FRACTION, EnginePlan
 from tokenmill.engine.worker.model_runner import ModelRunner
@@ -78,6 +84,15 @@ class Worker:
             mark("codes cache")
         self.model = model
         cfg = plan.config
+        if cfg.int8_activations:
+            n = use_int8_activations(model) if self.dtype == torch.float32 else 0
+            if n:
+                logger.info("int8 activations: %d integer-code weights round x to int8 per 32 values", n)
+            else:  # a flag shared by deployments on several CPU kinds: not an error where it cannot apply
+                logger.warning(
+                    "--int8-activations has no effect: this model is served in %s without fp32-kernel integer "
+                    "codes (it applies to a Q4_0/Q4_1/Q8_0 GGUF served in float32 on an AVX2 CPU)", plan.dtype,
+                )
         if cfg.enable_lora:  # the slots now: on CUDA the KV pool is sized from the memory left after them
             self.lora = LoRAModelManager(
                 model, plan.model_config, self.par, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
