@@ -133,3 +133,33 @@ def test_the_fused_cpu_layer_loop_reads_an_8bit_cache_as_the_python_loop_does(bu
     assert bool(calls) == llama_cpu_decoder.fused_layers_enabled(getattr(torch, dtype))
     for a, b in zip(fused, python, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_decode_step_time_swamped_by_noise_is_not_reported_as_negative():
+    """bench kv-cache times decode as the difference of a short and a long run; when the short one took longer
+    (its prefill slowed by other work) nothing was measured: inf for the rounds' minimum, None in the report,
+    rather than the negative step time an AVX2 run printed (2026-12-06)."""
+    import math
+    import time
+
+    from tokenmill.engine.bench.kv_cache import _ms, _ratio, decode_step_seconds
+
+    class Busy:  # the short run burns more CPU than the long one: a slowed prefill
+        steps = 0
+
+        def reset_stats(self):
+            self.steps = 0
+
+        def generate(self, _texts, params, prompt_token_ids, use_tqdm):
+            end = time.process_time() + (0.05 if params.max_tokens < 10 else 0.01)
+            while time.process_time() < end:
+                pass
+            self.steps = params.max_tokens
+
+        def stats(self):
+            return {"num_steps": self.steps}
+
+    wall, cpu = decode_step_seconds(Busy(), 2, 4, 4, 20)
+    assert math.isinf(wall) and math.isinf(cpu)
+    assert _ms(wall) is None and _ratio(0.01, wall) is None
+    assert _ms(0.0123) == 12.3 and _ratio(0.02, 0.01) == 2.0

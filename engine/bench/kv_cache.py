@@ -10,6 +10,7 @@ contexts are identical, so the chosen token's logprob difference measures the ca
 the first disagreement each run's token must be in the other's top-k, and the walk stops there.
 """
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -102,7 +103,10 @@ def decode_step_seconds(llm: Any, batch: int, prompt_len: int, short: int, long:
     w_short, c_short, s_short = run(short)
     w_long, c_long, s_long = run(long)
     steps = max(1, s_long - s_short)
-    return (w_long - w_short) / steps, (c_long - c_short) / steps
+    # At or below zero the two runs' prefills differed by more than the extra decode steps took (a busy
+    # machine, long prompts): no step time was measured, so inf, which the rounds' minimum passes over.
+    wall, cpu = (w_long - w_short) / steps, (c_long - c_short) / steps
+    return (wall if wall > 0 else math.inf), (cpu if cpu > 0 else math.inf)
 
 
 def run_kv_cache_bench(
@@ -152,11 +156,20 @@ def run_kv_cache_bench(
     report["decode_steps"] = [
         {
             "batch": b, "prompt_len": p, "mean_context": p + (short + long) / 2,
-            **{f"{d}_ms": round(wall[d, b, p] * 1e3, 2) for d in llms},
-            **{f"{d}_speedup": round(wall[base, b, p] / wall[d, b, p], 3) for d in llms if d != base},
-            **{f"{d}_cpu_ms": round(cpu[d, b, p] * 1e3, 2) for d in llms},
-            **{f"{d}_cpu_speedup": round(cpu[base, b, p] / cpu[d, b, p], 3) for d in llms if d != base},
+            **{f"{d}_ms": _ms(wall[d, b, p]) for d in llms},
+            **{f"{d}_speedup": _ratio(wall[base, b, p], wall[d, b, p]) for d in llms if d != base},
+            **{f"{d}_cpu_ms": _ms(cpu[d, b, p]) for d in llms},
+            **{f"{d}_cpu_speedup": _ratio(cpu[base, b, p], cpu[d, b, p]) for d in llms if d != base},
         }
         for b in batches for p in prompt_lens
     ]  # fmt: skip
     return report
+
+
+def _ms(seconds: float) -> float | None:
+    """Milliseconds, or None where no round measured a step (decode_step_seconds gave inf every time)."""
+    return round(seconds * 1e3, 2) if math.isfinite(seconds) else None
+
+
+def _ratio(base: float, other: float) -> float | None:
+    return round(base / other, 3) if math.isfinite(base) and math.isfinite(other) else None
