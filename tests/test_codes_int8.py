@@ -7,7 +7,7 @@ fp32 rounding), and against the exact fp32 product within the bound that roundin
 
 import pytest
 import torch
-from tokenmill.engine.layers.cpu_gemm_policy import fp32_linear_ops
+from tokenmill.engine.layers.cpu_gemm_policy import CPU_PACKED_MAX_ROWS, fp32_linear_ops
 from tokenmill.kernels.cpu_probe import needs
 
 CPU = torch.device("cpu")
@@ -46,13 +46,18 @@ def _weights(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: i
 
 def _reference(x: torch.Tensor, codes, scales, mins, n: int, bias) -> tuple[torch.Tensor, torch.Tensor]:
     """(the kernel's arithmetic in float64, the bound on its distance from the exact fp32 product)."""
+    return _reference_qdm(x, *_weights(codes, scales, mins, n), bias)
+
+
+def _reference_qdm(x: torch.Tensor, q, d, m, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """_reference for weights w = d * q + m given per weight (float64 [n, K]; d and m constant per 32 k)."""
     rows, k = x.shape
+    n = q.shape[0]
     blocks = x.view(rows, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))  # fp32, as the kernel
     xq = torch.clamp(torch.round(blocks * inv), -127, 127).double()  # round: ties to even, as nearbyint
     dx = (amax / 127.0).double()
-    q, d, m = _weights(codes, scales, mins, n)
     qb, db, mb = (t.view(n, k // 32, 32) for t in (q, d, m))
     isum = torch.einsum("rbi,nbi->rnb", xq, qb)  # exact: integers below 2^53
     step = db[:, :, 0][None] * dx[:, :, 0][:, None]
@@ -63,7 +68,9 @@ def _reference(x: torch.Tensor, codes, scales, mins, n: int, bias) -> tuple[torc
     return y, bound
 
 
-@pytest.mark.parametrize("n,k,nibbles", [(50, 96, True), (64, 1056, False), (33, 576, True), (16, 32, False)])
+@pytest.mark.parametrize(
+    "n,k,nibbles", [(50, 96, True), (64, 1056, False), (33, 576, True), (16, 32, False), (300, 64, True)]
+)  # 300: 19 panels, past the 8 a tile of rows passes over together, the last ragged
 def test_int8_activations_follow_their_arithmetic_and_stay_within_the_rounding_bound(
     n: int, k: int, nibbles: bool
 ) -> None:
@@ -73,7 +80,7 @@ def test_int8_activations_follow_their_arithmetic_and_stay_within_the_rounding_b
     b = torch.randn(n, generator=g)
     q, d, m = _weights(codes, scales, mins, n)
     w = (d * q + m).float()  # the exact weights the codes stand for
-    for rows in (1, 3, 4, 5, 16):
+    for rows in (1, 3, 4, 5, 16, 37):  # 37: more rows than the engine sends it (16), which the kernel takes
         x = torch.randn(rows, k, generator=g) * torch.linspace(0.1, 10.0, k)  # blocks of different scales
         x[0, 32:64] = 0.0  # an all-zero block (where K has two): dx = 0, no division by zero
         for bias in (None, b):
@@ -107,3 +114,78 @@ def test_bad_arguments_name_the_problem() -> None:
         ops.linear_codes_int8x(torch.empty(1, 16), torch.randn(1, 96), codes, scales, mins, None)
     with pytest.raises(RuntimeError, match="float32"):
         ops.linear_codes_int8x(torch.empty(1, 16), torch.randn(1, 64).bfloat16(), codes, scales, mins, None)
+
+
+def _grouped(type_name: str, n: int, k: int):
+    """A random weight in the grouped layout: a GGUF type quantized by the gguf package, or "int4" (AWQ /
+    GPTQ: sc = 1, mn = the zero point, d = dmin = the group's scale, group 128)."""
+    from tokenmill.engine.layers.grouped_codes import GroupedPackedWeight
+    from tokenmill.engine.quant_memory import GROUPED_GGUF, int4_group_format
+
+    g = torch.Generator().manual_seed(n + k)
+    p = (n + 15) // 16
+    if type_name == "int4":
+        s = (torch.rand(p, k // 128, 16, generator=g) * 0.01 + 1e-3).half()
+        return GroupedPackedWeight(
+            n, int4_group_format(128), torch.randint(0, 256, (p, k // 2, 16), generator=g, dtype=torch.int32).to(torch.uint8),
+            torch.empty(p, k // 2, 0, dtype=torch.int32), torch.ones(p, k // 32, 16, dtype=torch.int8),
+            torch.randint(0, 16, (p, k // 32, 16), generator=g, dtype=torch.int32).to(torch.int8), s, s.clone(),
+        )  # fmt: skip
+    import numpy as np
+    from tokenmill.engine.bench.gguf_quantize import quantize
+    from tokenmill.engine.model.gguf_weights import _grouped_panels
+
+    raw = quantize(torch.randn(n, k, generator=g).numpy().astype(np.float32) * 0.05, type_name)
+    a = {name: torch.from_numpy(v) for name, v in _grouped_panels(type_name, raw).items()}
+    e8, e16 = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.float16)
+    return GroupedPackedWeight(n, GROUPED_GGUF[type_name], a["lo"], a["hi"].view(torch.int32), a["sc"],
+                               a.get("mn", e8), a["d"], a.get("dmin", e16))  # fmt: skip
+
+
+def _grouped_qdm(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, d, m) per weight, float64 [n, K], of a 4-bit grouped weight: w = (d sc) q - dmin mn."""
+    from tokenmill.engine.layers.grouped_codes import grouped_codes
+
+    def rows(t: torch.Tensor, per: int) -> torch.Tensor:  # [P, C, 16] -> [n, C * per]
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[: w.out_features].double().repeat_interleave(per, dim=1)
+
+    fmt = w.fmt
+    q = grouped_codes(w)[: w.out_features].double()
+    d = rows(w.d, fmt.group) * rows(w.sc, fmt.block)
+    m = -(rows(w.dmin, fmt.group) * rows(w.mn, fmt.block))
+    return q, d, m
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "int4"])
+def test_grouped_4bit_weights_take_int8_activations_with_the_same_arithmetic(type_name: str) -> None:
+    """Q4_K and AWQ / GPTQ int4 (the grouped layout, cpu_grouped.cpp): the same kernel, with each block's scale
+    d * sc and min -dmin * mn computed from the file's codes."""
+    ops = fp32_linear_ops(CPU, torch.float32)
+    n, k = 200, 512  # 13 panels, the last ragged
+    w = _grouped(type_name, n, k)
+    q, d, m = _grouped_qdm(w)
+    assert torch.equal((d * q + m).float(), w.dequantize())  # the decomposition the reference relies on
+    g = torch.Generator().manual_seed(9)
+    bias = torch.randn(n, generator=g)
+    for rows in (1, 6, 40):
+        x = torch.randn(rows, k, generator=g) * torch.linspace(0.1, 10.0, k)
+        got = torch.empty(rows, n)
+        ops.linear_grouped_int8x(got, x, w.lo, w.hi, w.sc, w.mn, w.d, w.dmin, w.fmt_list, bias)
+        ref, bound = _reference_qdm(x, q, d, m, bias)
+        magnitude = (x.double().abs() @ (d.abs() * q.abs() + m.abs()).T).clamp_min(1.0)
+        assert ((got.double() - ref).abs() <= 1e-5 * magnitude).all()
+        exact = w.linear(x, bias)  # the exact grouped kernel
+        assert ((got.double() - exact.double()).abs() <= bound + 1e-5 * magnitude).all()
+        assert not torch.equal(got, exact)
+        w.int8_x = True  # what --int8-activations sets: linear() takes this kernel up to 16 rows, as for codes
+        assert torch.equal(w.linear(x, bias), got if rows <= CPU_PACKED_MAX_ROWS else exact)
+        w.int8_x = False
+
+
+def test_grouped_formats_without_an_int8_form_are_refused_by_name() -> None:
+    ops = fp32_linear_ops(CPU, torch.float32)
+    w = _grouped("Q6_K", 16, 256)
+    assert not w.int8x_supported
+    with pytest.raises(RuntimeError, match="bits=6 block=16 offset=32"):
+        ops.linear_grouped_int8x(torch.empty(1, 16), torch.randn(1, 256), w.lo, w.hi, w.sc, w.mn, w.d, w.dmin,
+                                 w.fmt_list, None)  # fmt: skip

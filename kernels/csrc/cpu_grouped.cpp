@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "cpu_codes_bf16.h"
+#include "cpu_codes_int8.h"
 #include "cpu_common.h"
 #include "cpu_tile.h"
 
@@ -45,6 +46,7 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBlock = 128;  // rows whose x stays in L2 while a thread's panels pass over them
 constexpr int64_t kTileRows = 8;    // bf16 path: rows per register tile
 constexpr int64_t kTileRows32 = 4;  // fp32 path
+constexpr int64_t kChunk = 256;     // fp32 path: k rebuilt at a time (16 KB of fp32, in L1)
 
 struct Grouped {
   const uint8_t* lo;
@@ -116,6 +118,15 @@ void rebuild(const Grouped& g, int64_t p, int64_t k0, int64_t k1, float* w) {
       scale[c] = static_cast<float>(d[s * kPanel + c]) * static_cast<float>(sc[b * kPanel + c]);
       nmin[c] = mn != nullptr ? -(static_cast<float>(dmin[s * kPanel + c]) * static_cast<float>(mn[b * kPanel + c])) : -0.0f;
     }
+#if defined(TOKENMILL_LINEAR_AVX2)
+    // 4-bit codes in 32-weight blocks, no offset (Q4_K, AWQ / GPTQ int4): the low nibbles are the codes
+    // kernels' nibble rows, so their 8-lane rebuild gives the same fma(q, scale, nmin) as the loop below.
+    if (g.planes == 0 && g.block == 32 && g.offset == 0) {
+      tokenmill_cpu::rebuild_codes16<true>(reinterpret_cast<const int8_t*>(lo + b * 16 * kPanel), scale, nmin, 32,
+                                           w + (b * 32 - k0) * kPanel);
+      continue;
+    }
+#endif
     for (int64_t j = b * g.block / 2; j < (b + 1) * g.block / 2; ++j) {
       int32_t q0[kPanel], q1[kPanel];
       for (int c = 0; c < kPanel; ++c) {
@@ -138,61 +149,83 @@ void rebuild(const Grouped& g, int64_t p, int64_t k0, int64_t k1, float* w) {
   }
 }
 
-// acc[r][0..16) = sum over k of x[r, k] * w[k, :] for R rows, k in order with fused multiply-adds (as
-// cpu_linear.cpp's tiles), then + bias into out (the first `cols` columns).
-template <int R, typename TOut>
-void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t k, TOut* out, int64_t ldo, int64_t cols,
-               const float* bias) {
+// acc[r][0..16) += sum over k of x[r, k] * w[k, :] for R rows, k in order with fused multiply-adds (as
+// cpu_linear.cpp's tiles); acc [R, 16] in memory between calls, so a panel can be rebuilt and summed one
+// k-chunk at a time with the same result as in one pass (a float stored and loaded is the same float).
+template <int R>
+void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t k, float* acc_io) {
 #if defined(__AVX512F__)
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_loadu_ps(acc_io + r * kPanel);
   for (int64_t i = 0; i < k; ++i) {
     const __m512 wv = _mm512_loadu_ps(w + i * kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), wv, acc[r]);
   }
-  alignas(64) float tmp[kPanel];
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_io + r * kPanel, acc[r]);
+#elif defined(TOKENMILL_LINEAR_AVX2)
+  __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(tmp, acc[r]);
+    acc[r][0] = _mm256_loadu_ps(acc_io + r * kPanel);
+    acc[r][1] = _mm256_loadu_ps(acc_io + r * kPanel + 8);
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 w0 = _mm256_loadu_ps(w + i * kPanel), w1 = _mm256_loadu_ps(w + i * kPanel + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc_io + r * kPanel, acc[r][0]);
+    _mm256_storeu_ps(acc_io + r * kPanel + 8, acc[r][1]);
+  }
 #else
-  float accs[R][kPanel] = {};
   for (int64_t i = 0; i < k; ++i)
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kPanel; ++c) accs[r][c] = std::fma(x[r * ldx + i], w[i * kPanel + c], accs[r][c]);
-  for (int r = 0; r < R; ++r) {
-    const float* tmp = accs[r];
+      for (int c = 0; c < kPanel; ++c)
+        acc_io[r * kPanel + c] = std::fma(x[r * ldx + i], w[i * kPanel + c], acc_io[r * kPanel + c]);
 #endif
-    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = static_cast<TOut>(tmp[c] + (bias != nullptr ? bias[c] : 0.0f));
-  }
 }
 
-template <typename TOut>
-void rows_tile_fp32(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t k, TOut* out, int64_t ldo,
-                    int64_t cols, const float* bias) {
+void rows_tile_fp32(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t k, float* acc) {
   switch (rows) {
-    case 1: tile_fp32<1>(x, ldx, w, k, out, ldo, cols, bias); break;
-    case 2: tile_fp32<2>(x, ldx, w, k, out, ldo, cols, bias); break;
-    case 3: tile_fp32<3>(x, ldx, w, k, out, ldo, cols, bias); break;
-    default: tile_fp32<4>(x, ldx, w, k, out, ldo, cols, bias); break;
+    case 1: tile_fp32<1>(x, ldx, w, k, acc); break;
+    case 2: tile_fp32<2>(x, ldx, w, k, acc); break;
+    case 3: tile_fp32<3>(x, ldx, w, k, acc); break;
+    default: tile_fp32<4>(x, ldx, w, k, acc); break;
   }
 }
 
-// out [M, N] (fp32, or bf16) = x [M, K] fp32 @ W^T (+ bias): per block of rows, each panel rebuilt once.
+// out [M, N] (fp32, or bf16) = x [M, K] fp32 @ W^T (+ bias): per block of rows and panel, the panel rebuilt
+// kChunk k at a time into a buffer that stays in L1 while every tile of rows sums it. Rebuilding a whole
+// panel first (K x 16 fp32: 512 KB for K = 8192) left it in L2 or beyond, and a 1B Q4_K model's batch-1
+// step took 660 ms on a 2-vCPU AVX2 EPYC, at 0.04 of its memory roofline.
 template <typename TOut>
 void linear_fp32(const Grouped& g, const float* x, int64_t ldx, int64_t m, TOut* out, int64_t ldo, int64_t n,
                  const float* bias) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(g.k * kPanel);
+    std::vector<float> w(kChunk * kPanel), acc(kRowBlock * kPanel);
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t r1 = std::min(m, r0 + kRowBlock);
       for (int64_t p = begin; p < end; ++p) {
-        rebuild(g, p, 0, g.k, w.data());
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k0 = 0; k0 < g.k; k0 += kChunk) {  // g.k and kChunk are multiples of the block size
+          const int64_t k1 = std::min(g.k, k0 + kChunk);
+          rebuild(g, p, k0, k1, w.data());
+          for (int64_t r = r0; r < r1; r += kTileRows32)
+            rows_tile_fp32(std::min(kTileRows32, r1 - r), x + r * ldx + k0, ldx, w.data(), k1 - k0,
+                           acc.data() + (r - r0) * kPanel);
+        }
         const int64_t cols = std::min(kPanel, n - p * kPanel);
         const float* pb = bias != nullptr ? bias + p * kPanel : nullptr;
-        for (int64_t r = r0; r < r1; r += kTileRows32)
-          rows_tile_fp32(std::min(kTileRows32, r1 - r), x + r * ldx, ldx, w.data(), g.k, out + r * ldo + p * kPanel,
-                         ldo, cols, pb);
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            out[r * ldo + p * kPanel + c] =
+                static_cast<TOut>(acc[(r - r0) * kPanel + c] + (pb != nullptr ? pb[c] : 0.0f));
       }
     }
   });
@@ -384,6 +417,46 @@ void linear_grouped(at::Tensor out, const at::Tensor& x, const at::Tensor& lo, c
     linear_fp32(g, x32.data_ptr<float>(), x32.stride(0), m, out.data_ptr<c10::BFloat16>(), out.stride(0), n, bp);
 }
 
+// Per-block scale and min (w = scale * q + min) of a 4-bit grouped panel, for the int8-activation loop.
+void grouped_scales(const void* ctx, int64_t p, float* scratch, const float** scale, const float** min) {
+  const Grouped& g = *static_cast<const Grouped*>(ctx);
+  const int64_t nb = g.k / g.block;
+  const int8_t* sc = g.sc + p * g.sc_p();
+  const int8_t* mn = g.mn != nullptr ? g.mn + p * g.sc_p() : nullptr;
+  const c10::Half* d = g.d + p * g.d_p();
+  const c10::Half* dmin = g.dmin != nullptr ? g.dmin + p * g.d_p() : nullptr;
+  float* s = scratch;
+  float* n = scratch + nb * kPanel;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t group = b * g.block / g.group;
+    for (int c = 0; c < kPanel; ++c) {  // each an fp16 times an int8: exact in fp32, as rebuild() has them
+      s[b * kPanel + c] = static_cast<float>(d[group * kPanel + c]) * static_cast<float>(sc[b * kPanel + c]);
+      n[b * kPanel + c] =
+          mn != nullptr ? -(static_cast<float>(dmin[group * kPanel + c]) * static_cast<float>(mn[b * kPanel + c]))
+                        : 0.0f;
+    }
+  }
+  *scale = s;
+  *min = n;
+}
+
+// The same as linear_grouped's fp32 path with x rounded to int8 per 32 k (`--int8-activations`,
+// cpu_codes_int8.cpp): 4-bit formats with 32-weight sub-blocks and no offset (Q4_K; AWQ and GPTQ int4), whose
+// low nibbles are cpu_linear.cpp's nibble panels.
+void linear_grouped_int8x(at::Tensor out, const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
+                          const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
+                          at::IntArrayRef fmt, const c10::optional<at::Tensor>& bias) {
+  const char* op = "linear_grouped_int8x";
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D float32 with contiguous rows");
+  const Grouped g = check_grouped(op, x.size(1), lo, hi, sc, mn, d, dmin, fmt);
+  TORCH_CHECK(g.planes == 0 && g.block == 32 && g.offset == 0, op,
+              ": int8 activations take 4-bit codes in 32-weight blocks with no offset (Q4_K, AWQ/GPTQ int4), got bits=",
+              fmt[0], " block=", g.block, " offset=", g.offset);
+  const int64_t panels = lo.size(0);
+  const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias);
+  tokenmill_cpu::linear_int8x_panels(out, x, reinterpret_cast<const int8_t*>(g.lo), true, panels, bp, grouped_scales, &g);
+}
+
 // Rows `ids` of a weight held as panels, rebuilt exactly: out[i, k] = w[ids[i], k] (fp32, or rounded once
 // to bf16). row(p, col, w) writes one row of panel p into w[K].
 template <typename Row>
@@ -461,6 +534,10 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       "linear_grouped(Tensor(a!) out, Tensor x, Tensor lo, Tensor hi, Tensor sc, Tensor mn, Tensor d, Tensor dmin, "
       "int[] fmt, Tensor? bias) -> ()");
   m.impl("linear_grouped", c10::DispatchKey::CPU, &linear_grouped);
+  m.def(
+      "linear_grouped_int8x(Tensor(a!) out, Tensor x, Tensor lo, Tensor hi, Tensor sc, Tensor mn, Tensor d, "
+      "Tensor dmin, int[] fmt, Tensor? bias) -> ()");
+  m.impl("linear_grouped_int8x", c10::DispatchKey::CPU, &linear_grouped_int8x);
   m.def(
       "embedding_grouped(Tensor(a!) out, Tensor ids, Tensor lo, Tensor hi, Tensor sc, Tensor mn, Tensor d, "
       "Tensor dmin, int[] fmt, int num_rows) -> ()");
