@@ -185,3 +185,39 @@ def test_where_no_codes_kernel_runs_the_weights_are_dequantized_at_load(quantize
     twin = load_model(copy, load_model_config(copy), torch.float16, "cpu")
     mine, theirs = dict(ours.named_parameters()), dict(twin.named_parameters())
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def _leaves(model) -> dict[str, object]:
+    """Every packed weight of the model's linears, a split weight's parts named name[i]."""
+    out = {}
+    for name, module in model.named_modules():
+        packed = getattr(module, "packed_cpu", None)
+        for i, part in enumerate(packed.parts if isinstance(packed, SplitPackedWeight) else [packed]):
+            if part is not None:
+                out[f"{name}[{i}]"] = part
+    return out
+
+
+def test_int8_activations_take_exactly_the_formats_with_an_int8_kernel(quantized) -> None:
+    """--int8-activations (worker.use_int8_activations) on every layout of a GGUF: the 32-weight codes and the
+    4-bit grouped ones (Q4_K here) round x to int8; Q5_*, Q6_K stay exact. How close the tokens stay is
+    measured on real weights (tests/test_int8_activations.py): this random model is too sensitive to say
+    (transformers' own bf16 moves its logprobs by 0.11 nats on average)."""
+    from tokenmill.engine.worker.cpu_weights import use_int8_activations
+
+    folder, _, _ = quantized
+    exact = load_model(folder, load_model_config(folder), torch.float32, "cpu")
+    int8 = load_model(folder, load_model_config(folder), torch.float32, "cpu")
+    leaves = _leaves(int8)
+    assert use_int8_activations(int8) == sum(
+        isinstance(p, CpuPackedWeight) or p.int8x_supported for p in leaves.values()
+    )
+    flagged = {name for name, p in leaves.items() if p.int8_x}
+    assert "model.layers.0.mlp.gate_up_proj[0]" in flagged  # Q4_K, grouped
+    assert "model.layers.0.self_attn.qkv_proj[0]" in flagged  # Q4_K q of a split q|k|v
+    assert "model.layers.1.mlp.down_proj[0]" in flagged  # Q4_1, codes
+    assert "lm_head[0]" not in flagged and "model.layers.0.mlp.down_proj[0]" not in flagged  # Q6_K
+    assert not any(p.int8_x for p in _leaves(exact).values())
+    seq = torch.randint(3, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    a = _decode_logits(exact, seq, 24)  # a 24-row prefill (past 16 rows) and 16 decode steps
+    assert not torch.equal(a, _decode_logits(int8, seq, 24))  # the mode is on

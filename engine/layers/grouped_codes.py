@@ -7,7 +7,8 @@ w[n, k] = (d[n, k / group] * sc[n, k / block]) * (q[n, k] - offset) - dmin[n, k 
 
 On the CPU with the C++ kernels a linear runs from the codes: bf16 rows on the AVX-512 BF16 dot kernel,
 fp32 rows on exact float32 rebuilds of each panel (equal, bit for bit, to the fp32 kernels on the
-dequantized weights). Elsewhere (CUDA, or no compiler) each call dequantizes the weight with torch ops
+dequantized weights), or with `--int8-activations` on 4-bit formats, x rounded to int8 per 32 in integer
+dot products (kernels/csrc/cpu_codes_int8.cpp). Elsewhere (CUDA, or no compiler) each call dequantizes the weight with torch ops
 (dequantize below, also the tests' reference) and runs F.linear: the memory of the codes, not the speed
 of a fused kernel.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tokenmill.engine.layers.cpu_gemm_policy import CPU_PACKED_MAX_ROWS
 from tokenmill.engine.quant_memory import GroupedFormat
 from tokenmill.kernels import cpu as cpu_kernels
 
@@ -36,6 +38,14 @@ class GroupedPackedWeight:
     dmin: torch.Tensor  # float16 [P, K / group, 16], or empty
     # The dtype embedding() returns (the model's); linear() returns x's.
     embed_dtype: torch.dtype = torch.float32
+    # fp32 rows round x to int8 per 32 (EngineConfig.int8_activations; int8x_supported formats only)
+    int8_x: bool = False
+
+    @property
+    def int8x_supported(self) -> bool:
+        """Whether the int8-activation kernel takes this format: 4-bit codes in 32-weight blocks, no offset
+        (Q4_K, AWQ / GPTQ int4), whose low nibbles are the codes kernels' nibble panels."""
+        return self.fmt.bits == 4 and self.fmt.block == 32 and self.fmt.offset == 0
 
     @property
     def in_features(self) -> int:
@@ -69,7 +79,11 @@ class GroupedPackedWeight:
         out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
         if out.dtype != x.dtype and x.dtype == torch.float32:
             out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        ops.linear_grouped(out, rows, self.lo, self.hi, self.sc, self.mn, self.d, self.dmin, self.fmt_list, bias)
+        # int8 activations up to CPU_PACKED_MAX_ROWS rows, as on the codes layout (linear.py): past that (prompt
+        # chunks) the exact kernel ran as fast on the bundled model, and rounding there costs parity (engine.md)
+        int8 = self.int8_x and out.dtype == rows.dtype == torch.float32 and rows.shape[0] <= CPU_PACKED_MAX_ROWS
+        op = ops.linear_grouped_int8x if int8 else ops.linear_grouped
+        op(out, rows, self.lo, self.hi, self.sc, self.mn, self.d, self.dmin, self.fmt_list, bias)
         if out_dtype is not None and out.dtype != out_dtype:
             out = out.to(out_dtype)
         return out if flat else out.view(*x.shape[:-1], self.out_features)

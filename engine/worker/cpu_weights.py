@@ -24,6 +24,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     cpu_linear_mode,
     fp32_linear_ops,
 )
+from tokenmill.engine.layers.grouped_codes import GroupedPackedWeight, SplitPackedWeight
 from tokenmill.engine.layers.linear import CpuPackedWeight
 from tokenmill.engine.layers.weight_codes import CodesCache
 from tokenmill.engine.model.loader import checkpoint_is_float32
@@ -104,21 +105,25 @@ def prepare_weights(
 
 
 def use_int8_activations(model: torch.nn.Module) -> int:
-    """Turn on int8 activations (EngineConfig.int8_activations) for every fp32-kernel weight held as integer
-    codes (the projections, the LM head and a tied embedding's packed matrix); returns how many. Others
-    (fp32 or bf16 panels, grouped codes, the bf16 kernels' fp16 scales) stay exact: their kernels have no
-    int8 form."""
+    """Turn on int8 activations (EngineConfig.int8_activations) for every fp32-kernel weight whose kernel has
+    an int8 form: integer codes with fp32 scales (the projections, the LM head and a tied embedding's packed
+    matrix) and 4-bit grouped codes (Q4_K, AWQ / GPTQ int4), also as parts of a split q|k|v; returns how
+    many. Others (fp32 or bf16 panels, Q5_K / Q6_K, the bf16 kernels' fp16 scales) stay exact."""
     seen: set[int] = set()
+
+    def turn_on(value: object) -> None:
+        if isinstance(value, SplitPackedWeight):
+            for part in value.parts:
+                turn_on(part)
+            return
+        codes = isinstance(value, CpuPackedWeight) and value.codes is not None and value.scales.dtype == torch.float32
+        if (codes or (isinstance(value, GroupedPackedWeight) and value.int8x_supported)) and id(value) not in seen:
+            value.int8_x = True
+            seen.add(id(value))
+
     for module in model.modules():
         for value in vars(module).values():
-            if (
-                isinstance(value, CpuPackedWeight)
-                and value.codes is not None
-                and value.scales.dtype == torch.float32
-                and id(value) not in seen
-            ):
-                value.int8_x = True
-                seen.add(id(value))
+            turn_on(value)
     return len(seen)
 
 

@@ -91,7 +91,7 @@ class Worker:
             else:  # a flag shared by deployments on several CPU kinds: not an error where it cannot apply
                 logger.warning(
                     "--int8-activations has no effect: this model is served in %s without fp32-kernel integer "
-                    "codes (it applies to a Q4_0/Q4_1/Q8_0 GGUF served in float32 on an AVX2 CPU)", plan.dtype,
+                    "codes (it applies to Q4_0/Q4_1/Q8_0/Q4_K GGUF and AWQ/GPTQ int4 weights served in float32 on an AVX2 CPU)", plan.dtype,
                 )
         if cfg.enable_lora:  # the slots now: on CUDA the KV pool is sized from the memory left after them
             self.lora = LoRAModelManager(
