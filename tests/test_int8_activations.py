@@ -57,15 +57,18 @@ def test_every_codes_weight_and_only_those_take_int8_activations(runs):
     assert all(p.int8_x == (p.codes is not None) for p in weights)
 
 
-def test_greedy_parity_with_the_exact_fp32_engine(runs):
-    exact, int8 = runs
+def _assert_parity(exact: LLM, int8: LLM, max_diff: float, mean_diff: float) -> None:
     prompts = PARITY_PROMPTS[:16]
     p = greedy_parity(generate_greedy(exact, prompts, TOKENS), generate_greedy(int8, prompts, TOKENS))
     assert p.compared_steps >= 16 * 4
-    assert p.max_abs_logprob_diff <= MAX_LOGPROB_DIFF, p
-    assert p.mean_abs_logprob_diff <= MEAN_LOGPROB_DIFF, p
+    assert p.max_abs_logprob_diff <= max_diff, p
+    assert p.mean_abs_logprob_diff <= mean_diff, p
     assert p.divergent_in_top_k, p
     assert p.mean_abs_logprob_diff > 0.0  # the mode is on: the exact kernels would give 0 here
+
+
+def test_greedy_parity_with_the_exact_fp32_engine(runs):
+    _assert_parity(*runs, MAX_LOGPROB_DIFF, MEAN_LOGPROB_DIFF)
 
 
 def test_bench_peers_serves_tokenmill_int8_with_the_flag_the_server_parses():
@@ -105,10 +108,4 @@ def test_int4_awq_weights_keep_greedy_parity_within_their_tolerance(tmp_path):
     model = int8.engine.core.executor.worker.runner.model
     grouped = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, GroupedPackedWeight)}
     assert len(grouped) == 30 * 4 and all(w.int8_x for w in grouped.values())  # q|k|v, o, gate|up, down
-    prompts = PARITY_PROMPTS[:16]
-    p = greedy_parity(generate_greedy(exact, prompts, TOKENS), generate_greedy(int8, prompts, TOKENS))
-    assert p.compared_steps >= 16 * 4
-    assert p.max_abs_logprob_diff <= INT4_MAX_LOGPROB_DIFF, p
-    assert p.mean_abs_logprob_diff <= INT4_MEAN_LOGPROB_DIFF, p
-    assert p.divergent_in_top_k, p
-    assert p.mean_abs_logprob_diff > 0.0
+    _assert_parity(exact, int8, INT4_MAX_LOGPROB_DIFF, INT4_MEAN_LOGPROB_DIFF)
