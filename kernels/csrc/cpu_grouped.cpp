@@ -61,6 +61,9 @@ struct Grouped {
   int64_t hi_p() const { return k / 2 * planes; }
   int64_t sc_p() const { return k / block * kPanel; }
   int64_t d_p() const { return k / group * kPanel; }
+  // 4-bit codes in 32-weight blocks, no offset (Q4_K, AWQ / GPTQ int4): `lo` alone is the codes kernels'
+  // nibble panels (cpu_linear.cpp), so their rebuild and the int8-activation kernel read it as they are.
+  bool nibble_blocks() const { return planes == 0 && block == 32 && offset == 0; }
 };
 
 // fmt = [bits, block, group, offset]; the tensors checked against it and K.
@@ -119,9 +122,8 @@ void rebuild(const Grouped& g, int64_t p, int64_t k0, int64_t k1, float* w) {
       nmin[c] = mn != nullptr ? -(static_cast<float>(dmin[s * kPanel + c]) * static_cast<float>(mn[b * kPanel + c])) : -0.0f;
     }
 #if defined(TOKENMILL_LINEAR_AVX2)
-    // 4-bit codes in 32-weight blocks, no offset (Q4_K, AWQ / GPTQ int4): the low nibbles are the codes
-    // kernels' nibble rows, so their 8-lane rebuild gives the same fma(q, scale, nmin) as the loop below.
-    if (g.planes == 0 && g.block == 32 && g.offset == 0) {
+    // The codes kernels' 8-lane rebuild gives the same fma(q, scale, nmin) as the loop below.
+    if (g.nibble_blocks()) {
       tokenmill_cpu::rebuild_codes16<true>(reinterpret_cast<const int8_t*>(lo + b * 16 * kPanel), scale, nmin, 32,
                                            w + (b * 32 - k0) * kPanel);
       continue;
@@ -202,7 +204,7 @@ void rows_tile_fp32(int64_t rows, const float* x, int64_t ldx, const float* w, i
 // out [M, N] (fp32, or bf16) = x [M, K] fp32 @ W^T (+ bias): per block of rows and panel, the panel rebuilt
 // kChunk k at a time into a buffer that stays in L1 while every tile of rows sums it. Rebuilding a whole
 // panel first (K x 16 fp32: 512 KB for K = 8192) left it in L2 or beyond, and a 1B Q4_K model's batch-1
-// step took 660 ms on a 2-vCPU AVX2 EPYC, at 0.04 of its memory roofline.
+// step took 630.7 ms on a 2-vCPU AVX2 EPYC, at 0.04 of its memory roofline (docs/kernels.md).
 template <typename TOut>
 void linear_fp32(const Grouped& g, const float* x, int64_t ldx, int64_t m, TOut* out, int64_t ldo, int64_t n,
                  const float* bias) {
@@ -417,7 +419,11 @@ void linear_grouped(at::Tensor out, const at::Tensor& x, const at::Tensor& lo, c
     linear_fp32(g, x32.data_ptr<float>(), x32.stride(0), m, out.data_ptr<c10::BFloat16>(), out.stride(0), n, bp);
 }
 
-// Per-block scale and min (w = scale * q + min) of a 4-bit grouped panel, for the int8-activation loop.
+#if defined(TOKENMILL_LINEAR_AVX2)
+// Per-block scale d * sc and min -(dmin * mn) (w = scale * q + min) of a 4-bit grouped panel, for the
+// int8-activation loop, 8 lanes at a time (F16C): in scalar code these conversions cost as much as the
+// panel's dot products at batch 1 (a 1B Q4_K model on the AVX2 EPYC). Each an fp16 times an int8: exact in
+// fp32, the values rebuild() uses.
 void grouped_scales(const void* ctx, int64_t p, float* scratch, const float** scale, const float** min) {
   const Grouped& g = *static_cast<const Grouped*>(ctx);
   const int64_t nb = g.k / g.block;
@@ -425,42 +431,27 @@ void grouped_scales(const void* ctx, int64_t p, float* scratch, const float** sc
   const int8_t* mn = g.mn != nullptr ? g.mn + p * g.sc_p() : nullptr;
   const c10::Half* d = g.d + p * g.d_p();
   const c10::Half* dmin = g.dmin != nullptr ? g.dmin + p * g.d_p() : nullptr;
-  float* s = scratch;
-  float* n = scratch + nb * kPanel;
-#if defined(TOKENMILL_LINEAR_AVX2)
-  // 8 lanes at a time (F16C): in scalar code these conversions cost as much as the panel's dot products at
-  // batch 1 (a 1B Q4_K model on the AVX2 EPYC).
   const auto widen_i8 = [](const int8_t* v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
   };
   const auto widen_f16 = [](const c10::Half* v) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
   };
+  float* s = scratch;
+  float* n = scratch + nb * kPanel;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t group = b * g.block / g.group;
     for (int c = 0; c < kPanel; c += 8) {
       _mm256_storeu_ps(s + b * kPanel + c, _mm256_mul_ps(widen_f16(d + group * kPanel + c), widen_i8(sc + b * kPanel + c)));
       const __m256 low = mn != nullptr ? _mm256_mul_ps(widen_f16(dmin + group * kPanel + c), widen_i8(mn + b * kPanel + c))
                                        : _mm256_setzero_ps();
-      _mm256_storeu_ps(n + b * kPanel + c, _mm256_xor_ps(low, _mm256_set1_ps(-0.0f)));  // -(dmin mn), as below
-    }
-  }
-  *scale = s;
-  *min = n;
-  return;
-#endif
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t group = b * g.block / g.group;
-    for (int c = 0; c < kPanel; ++c) {  // each an fp16 times an int8: exact in fp32, as rebuild() has them
-      s[b * kPanel + c] = static_cast<float>(d[group * kPanel + c]) * static_cast<float>(sc[b * kPanel + c]);
-      n[b * kPanel + c] =
-          mn != nullptr ? -(static_cast<float>(dmin[group * kPanel + c]) * static_cast<float>(mn[b * kPanel + c]))
-                        : 0.0f;
+      _mm256_storeu_ps(n + b * kPanel + c, _mm256_xor_ps(low, _mm256_set1_ps(-0.0f)));  // -(dmin mn)
     }
   }
   *scale = s;
   *min = n;
 }
+#endif
 
 // The same as linear_grouped's fp32 path with x rounded to int8 per 32 k (`--int8-activations`,
 // cpu_codes_int8.cpp): 4-bit formats with 32-weight sub-blocks and no offset (Q4_K; AWQ and GPTQ int4), whose
@@ -471,12 +462,16 @@ void linear_grouped_int8x(at::Tensor out, const at::Tensor& x, const at::Tensor&
   const char* op = "linear_grouped_int8x";
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D float32 with contiguous rows");
   const Grouped g = check_grouped(op, x.size(1), lo, hi, sc, mn, d, dmin, fmt);
-  TORCH_CHECK(g.planes == 0 && g.block == 32 && g.offset == 0, op,
+  TORCH_CHECK(g.nibble_blocks(), op,
               ": int8 activations take 4-bit codes in 32-weight blocks with no offset (Q4_K, AWQ/GPTQ int4), got bits=",
               fmt[0], " block=", g.block, " offset=", g.offset);
   const int64_t panels = lo.size(0);
-  const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias);
+  const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias);  // AVX2 or refused
+#if defined(TOKENMILL_LINEAR_AVX2)
   tokenmill_cpu::linear_int8x_panels(out, x, reinterpret_cast<const int8_t*>(g.lo), true, panels, bp, grouped_scales, &g);
+#else
+  (void)bp;
+#endif
 }
 
 // Rows `ids` of a weight held as panels, rebuilt exactly: out[i, k] = w[ids[i], k] (fp32, or rounded once
