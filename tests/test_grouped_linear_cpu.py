@@ -29,7 +29,8 @@ def _weight(type_name: str, n: int = N, k: int = K) -> tuple[GroupedPackedWeight
 
 
 @pytest.mark.parametrize("type_name", sorted(GROUPED_GGUF))
-@pytest.mark.parametrize("rows", [1, 3, 6, 131])  # 131: past a 128-row block and a 4-row tile
+# 1-3 rows: tiles over 2-4 panels; 13: tiles of 6 (AVX2) or 8 and a rest; 131: past a 128-row block
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 13, 131])
 def test_fp32_rows_equal_the_fp32_kernel_on_the_dequantized_weight(type_name, rows) -> None:
     w, ref = _weight(type_name)
     ops = cpu_kernels.load()

@@ -45,7 +45,13 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBlock = 128;  // rows whose x stays in L2 while a thread's panels pass over them
 constexpr int64_t kTileRows = 8;    // bf16 path: rows per register tile
-constexpr int64_t kTileRows32 = 4;  // fp32 path
+// fp32 path: rows per register tile. Two FMA units of 4 cycles' latency need 8 independent sums in flight:
+// 6 rows x 2 ymm on AVX2 (12 accumulators, as cpu_gemm.cpp's tile), 8 rows x 1 zmm on AVX-512.
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows32 = 8;
+#else
+constexpr int64_t kTileRows32 = 6;
+#endif
 constexpr int64_t kChunk = 256;     // fp32 path: k rebuilt at a time (16 KB of fp32, in L1)
 
 struct Grouped {
@@ -105,27 +111,110 @@ Grouped check_grouped(const char* op, int64_t k, const at::Tensor& lo, const at:
                  offset};
 }
 
+// Sub-block b of panel p: its scale d * sc and min -(dmin * mn) (-0 without mins) for the 16 columns, so
+// that w = fma(q - offset, scale, min). Each an fp16 times an int8: exact in fp32. 8 lanes at a time with
+// F16C where built: in scalar code these conversions cost as much as rebuilding the block's 32 x 16
+// nibbles (a 1B Q4_K model's batch-1 step on the AVX2 EPYC).
+inline void block_scales(const Grouped& g, int64_t p, int64_t b, float* scale, float* nmin) {
+  const int64_t s = b * g.block / g.group;
+  const int8_t* sc = g.sc + p * g.sc_p() + b * kPanel;
+  const int8_t* mn = g.mn != nullptr ? g.mn + p * g.sc_p() + b * kPanel : nullptr;
+  const c10::Half* d = g.d + p * g.d_p() + s * kPanel;
+  const c10::Half* dmin = g.dmin != nullptr ? g.dmin + p * g.d_p() + s * kPanel : nullptr;
+#if defined(TOKENMILL_LINEAR_AVX2)
+  const auto widen_i8 = [](const int8_t* v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+  };
+  const auto widen_f16 = [](const c10::Half* v) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+  };
+  for (int c = 0; c < kPanel; c += 8) {
+    _mm256_storeu_ps(scale + c, _mm256_mul_ps(widen_f16(d + c), widen_i8(sc + c)));
+    const __m256 low = mn != nullptr ? _mm256_mul_ps(widen_f16(dmin + c), widen_i8(mn + c)) : _mm256_setzero_ps();
+    _mm256_storeu_ps(nmin + c, _mm256_xor_ps(low, _mm256_set1_ps(-0.0f)));
+  }
+#else
+  for (int c = 0; c < kPanel; ++c) {
+    scale[c] = static_cast<float>(d[c]) * static_cast<float>(sc[c]);
+    nmin[c] = mn != nullptr ? -(static_cast<float>(dmin[c]) * static_cast<float>(mn[c])) : -0.0f;
+  }
+#endif
+}
+
+#if defined(TOKENMILL_LINEAR_AVX2)
+// Bit 4 + h of 8 codes from one bit plane word: lane c's bit sits at 2c + e (sh holds those positions).
+template <int H>
+inline __m256i plane_bit(uint32_t word, __m256i sh) {
+  const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(word)), sh),
+                                       _mm256_set1_epi32(1));
+  return _mm256_slli_epi32(bit, 4 + H);
+}
+
+// Row pairs j in [j0, j1) of a panel with H bit planes (Q5_*: 1, Q6_K: 2) as float32 rows of 16, 8 lanes at a
+// time: the scalar loop's fma(float(q) - offset, scale, min) on the same integers (q - offset is exact in
+// float32 either way), so the same floats.
+template <int H>
+void rebuild_planes(const uint8_t* lo, const uint32_t* hi, int64_t j0, int64_t j1, const float* scale,
+                    const float* nmin, int32_t offset, float* w) {
+  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+  const __m256 n0 = _mm256_loadu_ps(nmin), n1 = _mm256_loadu_ps(nmin + 8);
+  const __m256i off = _mm256_set1_epi32(offset), low = _mm256_set1_epi32(15);
+  // Bit positions 2c + e of columns c = 0..7 and 8..15, for k = 2j (e = 0) and 2j + 1 (e = 1).
+  const __m256i e0c0 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), e0c1 = _mm256_add_epi32(e0c0, _mm256_set1_epi32(16));
+  const __m256i e1c0 = _mm256_add_epi32(e0c0, _mm256_set1_epi32(1)), e1c1 = _mm256_add_epi32(e0c1, _mm256_set1_epi32(1));
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + j * kPanel));
+    const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    __m256i q00 = _mm256_and_si256(b0, low), q01 = _mm256_and_si256(b1, low);  // k = 2j: columns 0-7, 8-15
+    __m256i q10 = _mm256_srli_epi32(b0, 4), q11 = _mm256_srli_epi32(b1, 4);    // k = 2j + 1
+    if constexpr (H >= 1) {
+      const uint32_t m = hi[j * H];
+      q00 = _mm256_or_si256(q00, plane_bit<0>(m, e0c0));
+      q01 = _mm256_or_si256(q01, plane_bit<0>(m, e0c1));
+      q10 = _mm256_or_si256(q10, plane_bit<0>(m, e1c0));
+      q11 = _mm256_or_si256(q11, plane_bit<0>(m, e1c1));
+    }
+    if constexpr (H >= 2) {
+      const uint32_t m = hi[j * H + 1];
+      q00 = _mm256_or_si256(q00, plane_bit<1>(m, e0c0));
+      q01 = _mm256_or_si256(q01, plane_bit<1>(m, e0c1));
+      q10 = _mm256_or_si256(q10, plane_bit<1>(m, e1c0));
+      q11 = _mm256_or_si256(q11, plane_bit<1>(m, e1c1));
+    }
+    const auto weight = [&](__m256i q, __m256 s, __m256 n) {
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, off)), s, n);
+    };
+    float* w0 = w + (2 * j - 2 * j0) * kPanel;
+    _mm256_storeu_ps(w0, weight(q00, s0, n0));
+    _mm256_storeu_ps(w0 + 8, weight(q01, s1, n1));
+    _mm256_storeu_ps(w0 + kPanel, weight(q10, s0, n0));
+    _mm256_storeu_ps(w0 + kPanel + 8, weight(q11, s1, n1));
+  }
+}
+#endif
+
 // Panel p's weights for k in [k0, k1) (k0, k1 multiples of the block size) as float32 rows of 16.
 void rebuild(const Grouped& g, int64_t p, int64_t k0, int64_t k1, float* w) {
   const uint8_t* lo = g.lo + p * g.lo_p();
   const uint32_t* hi = g.hi + p * g.hi_p();
-  const int8_t* sc = g.sc + p * g.sc_p();
-  const int8_t* mn = g.mn != nullptr ? g.mn + p * g.sc_p() : nullptr;
-  const c10::Half* d = g.d + p * g.d_p();
-  const c10::Half* dmin = g.dmin != nullptr ? g.dmin + p * g.d_p() : nullptr;
   const float off = static_cast<float>(g.offset);
   for (int64_t b = k0 / g.block; b < k1 / g.block; ++b) {
-    const int64_t s = b * g.block / g.group;
     float scale[kPanel], nmin[kPanel];
-    for (int c = 0; c < kPanel; ++c) {
-      scale[c] = static_cast<float>(d[s * kPanel + c]) * static_cast<float>(sc[b * kPanel + c]);
-      nmin[c] = mn != nullptr ? -(static_cast<float>(dmin[s * kPanel + c]) * static_cast<float>(mn[b * kPanel + c])) : -0.0f;
-    }
+    block_scales(g, p, b, scale, nmin);
 #if defined(TOKENMILL_LINEAR_AVX2)
     // The codes kernels' 8-lane rebuild gives the same fma(q, scale, nmin) as the loop below.
     if (g.nibble_blocks()) {
       tokenmill_cpu::rebuild_codes16<true>(reinterpret_cast<const int8_t*>(lo + b * 16 * kPanel), scale, nmin, 32,
                                            w + (b * 32 - k0) * kPanel);
+      continue;
+    }
+    if (g.planes <= 2) {
+      const int64_t j0 = b * g.block / 2, j1 = (b + 1) * g.block / 2;
+      float* wb = w + (2 * j0 - k0) * kPanel;
+      const int32_t o = static_cast<int32_t>(g.offset);
+      if (g.planes == 0) rebuild_planes<0>(lo, hi, j0, j1, scale, nmin, o, wb);
+      if (g.planes == 1) rebuild_planes<1>(lo, hi, j0, j1, scale, nmin, o, wb);
+      if (g.planes == 2) rebuild_planes<2>(lo, hi, j0, j1, scale, nmin, o, wb);
       continue;
     }
 #endif
@@ -151,83 +240,126 @@ void rebuild(const Grouped& g, int64_t p, int64_t k0, int64_t k1, float* w) {
   }
 }
 
-// acc[r][0..16) += sum over k of x[r, k] * w[k, :] for R rows, k in order with fused multiply-adds (as
-// cpu_linear.cpp's tiles); acc [R, 16] in memory between calls, so a panel can be rebuilt and summed one
-// k-chunk at a time with the same result as in one pass (a float stored and loaded is the same float).
-template <int R>
-void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t k, float* acc_io) {
+// For each of NP panels q: acc_q[r][0..16) += sum over k of x[r, k] * w_q[k, :] for R rows, k in order with
+// fused multiply-adds (as cpu_linear.cpp's tiles). w holds the panels' k-slices back to back (w_q = w + q k
+// 16); acc_q = acc_io + q acc_panel, [R, 16] in memory between calls, so a panel can be rebuilt and summed
+// one k-chunk at a time with the same result as in one pass (a float stored and loaded is the same float).
+// Several panels at once give a row or two enough independent sums to keep both FMA units busy (one row of
+// one panel is 2 chains on AVX2, 1 on AVX-512, each waiting 4 cycles per k); each sum is unchanged.
+template <int R, int NP>
+void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t k, float* acc_io, int64_t acc_panel) {
 #if defined(__AVX512F__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_loadu_ps(acc_io + r * kPanel);
+  __m512 acc[R][NP];
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < R; ++r) acc[r][q] = _mm512_loadu_ps(acc_io + q * acc_panel + r * kPanel);
   for (int64_t i = 0; i < k; ++i) {
-    const __m512 wv = _mm512_loadu_ps(w + i * kPanel);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), wv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_io + r * kPanel, acc[r]);
-#elif defined(TOKENMILL_LINEAR_AVX2)
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = _mm256_loadu_ps(acc_io + r * kPanel);
-    acc[r][1] = _mm256_loadu_ps(acc_io + r * kPanel + 8);
-  }
-  for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = _mm256_loadu_ps(w + i * kPanel), w1 = _mm256_loadu_ps(w + i * kPanel + 8);
-#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+#pragma GCC unroll 4
+      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + (q * k + i) * kPanel), acc[r][q]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc_io + r * kPanel, acc[r][0]);
-    _mm256_storeu_ps(acc_io + r * kPanel + 8, acc[r][1]);
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_io + q * acc_panel + r * kPanel, acc[r][q]);
+#elif defined(TOKENMILL_LINEAR_AVX2)
+  __m256 acc[R][NP][2];
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < R; ++r) {
+      acc[r][q][0] = _mm256_loadu_ps(acc_io + q * acc_panel + r * kPanel);
+      acc[r][q][1] = _mm256_loadu_ps(acc_io + q * acc_panel + r * kPanel + 8);
+    }
+  for (int64_t i = 0; i < k; ++i) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
+#pragma GCC unroll 4
+      for (int q = 0; q < NP; ++q) {
+        const float* wq = w + (q * k + i) * kPanel;
+        acc[r][q][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wq), acc[r][q][0]);
+        acc[r][q][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wq + 8), acc[r][q][1]);
+      }
+    }
   }
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc_io + q * acc_panel + r * kPanel, acc[r][q][0]);
+      _mm256_storeu_ps(acc_io + q * acc_panel + r * kPanel + 8, acc[r][q][1]);
+    }
 #else
   for (int64_t i = 0; i < k; ++i)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kPanel; ++c)
-        acc_io[r * kPanel + c] = std::fma(x[r * ldx + i], w[i * kPanel + c], acc_io[r * kPanel + c]);
+    for (int q = 0; q < NP; ++q)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kPanel; ++c) {
+          float& a = acc_io[q * acc_panel + r * kPanel + c];
+          a = std::fma(x[r * ldx + i], w[(q * k + i) * kPanel + c], a);
+        }
 #endif
 }
 
-void rows_tile_fp32(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t k, float* acc) {
+// Panels per tile for a block of `rows` rows: 4 for one row, 2 for two or three (8 to 12 independent sums).
+inline int64_t tile_panels(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+
+void rows_tile_fp32(int64_t rows, int64_t np, const float* x, int64_t ldx, const float* w, int64_t k, float* acc,
+                    int64_t acc_panel) {
+  if (np == 4) return tile_fp32<1, 4>(x, ldx, w, k, acc, acc_panel);
+  if (np == 3) return tile_fp32<1, 3>(x, ldx, w, k, acc, acc_panel);
+  if (np == 2) {
+    if (rows == 1) return tile_fp32<1, 2>(x, ldx, w, k, acc, acc_panel);
+    if (rows == 2) return tile_fp32<2, 2>(x, ldx, w, k, acc, acc_panel);
+    return tile_fp32<3, 2>(x, ldx, w, k, acc, acc_panel);
+  }
   switch (rows) {
-    case 1: tile_fp32<1>(x, ldx, w, k, acc); break;
-    case 2: tile_fp32<2>(x, ldx, w, k, acc); break;
-    case 3: tile_fp32<3>(x, ldx, w, k, acc); break;
-    default: tile_fp32<4>(x, ldx, w, k, acc); break;
+    case 1: tile_fp32<1, 1>(x, ldx, w, k, acc, acc_panel); break;
+    case 2: tile_fp32<2, 1>(x, ldx, w, k, acc, acc_panel); break;
+    case 3: tile_fp32<3, 1>(x, ldx, w, k, acc, acc_panel); break;
+    case 4: tile_fp32<4, 1>(x, ldx, w, k, acc, acc_panel); break;
+    case 5: tile_fp32<5, 1>(x, ldx, w, k, acc, acc_panel); break;
+#if defined(__AVX512F__)
+    case 6: tile_fp32<6, 1>(x, ldx, w, k, acc, acc_panel); break;
+    case 7: tile_fp32<7, 1>(x, ldx, w, k, acc, acc_panel); break;
+    default: tile_fp32<8, 1>(x, ldx, w, k, acc, acc_panel); break;
+#else
+    default: tile_fp32<6, 1>(x, ldx, w, k, acc, acc_panel); break;
+#endif
   }
 }
 
-// out [M, N] (fp32, or bf16) = x [M, K] fp32 @ W^T (+ bias): per block of rows and panel, the panel rebuilt
-// kChunk k at a time into a buffer that stays in L1 while every tile of rows sums it. Rebuilding a whole
-// panel first (K x 16 fp32: 512 KB for K = 8192) left it in L2 or beyond, and a 1B Q4_K model's batch-1
-// step took 630.7 ms on a 2-vCPU AVX2 EPYC, at 0.04 of its memory roofline (docs/kernels.md).
+// out [M, N] (fp32, or bf16) = x [M, K] fp32 @ W^T (+ bias): per block of rows and group of panels, the
+// panels rebuilt a k-chunk at a time into a buffer that stays in L1 (kChunk x 16 fp32 in all) while every
+// tile of rows sums it. Rebuilding a whole panel first (K x 16 fp32: 512 KB for K = 8192) left it in L2 or
+// beyond, and a 1B Q4_K model's batch-1 step took 630.7 ms on a 2-vCPU AVX2 EPYC, at 0.04 of its memory
+// roofline (docs/kernels.md).
 template <typename TOut>
 void linear_fp32(const Grouped& g, const float* x, int64_t ldx, int64_t m, TOut* out, int64_t ldo, int64_t n,
                  const float* bias) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  // Up to 3 rows (decode), one tile of rows spans several panels; their slices share the buffer.
+  const int64_t np_max = tile_panels(m);
+  const int64_t kc = kChunk / np_max;  // a multiple of every block size (16, 32)
+  const int64_t acc_panel = kRowBlock * kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(kChunk * kPanel), acc(kRowBlock * kPanel);
+    std::vector<float> w(kChunk * kPanel), acc(np_max * acc_panel);
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t r1 = std::min(m, r0 + kRowBlock);
-      for (int64_t p = begin; p < end; ++p) {
+      for (int64_t p = begin; p < end; p += np_max) {
+        const int64_t np = std::min(np_max, end - p);
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t k0 = 0; k0 < g.k; k0 += kChunk) {  // g.k and kChunk are multiples of the block size
-          const int64_t k1 = std::min(g.k, k0 + kChunk);
-          rebuild(g, p, k0, k1, w.data());
+        for (int64_t k0 = 0; k0 < g.k; k0 += kc) {  // g.k and kc are multiples of the block size
+          const int64_t k1 = std::min(g.k, k0 + kc);
+          for (int64_t q = 0; q < np; ++q) rebuild(g, p + q, k0, k1, w.data() + q * (k1 - k0) * kPanel);
           for (int64_t r = r0; r < r1; r += kTileRows32)
-            rows_tile_fp32(std::min(kTileRows32, r1 - r), x + r * ldx + k0, ldx, w.data(), k1 - k0,
-                           acc.data() + (r - r0) * kPanel);
+            rows_tile_fp32(std::min(kTileRows32, r1 - r), np, x + r * ldx + k0, ldx, w.data(), k1 - k0,
+                           acc.data() + (r - r0) * kPanel, acc_panel);
         }
-        const int64_t cols = std::min(kPanel, n - p * kPanel);
-        const float* pb = bias != nullptr ? bias + p * kPanel : nullptr;
-        for (int64_t r = r0; r < r1; ++r)
-          for (int64_t c = 0; c < cols; ++c)
-            out[r * ldo + p * kPanel + c] =
-                static_cast<TOut>(acc[(r - r0) * kPanel + c] + (pb != nullptr ? pb[c] : 0.0f));
+        for (int64_t q = 0; q < np; ++q) {
+          const int64_t pq = p + q, cols = std::min(kPanel, n - pq * kPanel);
+          const float* pb = bias != nullptr ? bias + pq * kPanel : nullptr;
+          const float* aq = acc.data() + q * acc_panel;
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = 0; c < cols; ++c)
+              out[r * ldo + pq * kPanel + c] = static_cast<TOut>(aq[(r - r0) * kPanel + c] + (pb != nullptr ? pb[c] : 0.0f));
+        }
       }
     }
   });
@@ -420,34 +552,14 @@ void linear_grouped(at::Tensor out, const at::Tensor& x, const at::Tensor& lo, c
 }
 
 #if defined(TOKENMILL_LINEAR_AVX2)
-// Per-block scale d * sc and min -(dmin * mn) (w = scale * q + min) of a 4-bit grouped panel, for the
-// int8-activation loop, 8 lanes at a time (F16C): in scalar code these conversions cost as much as the
-// panel's dot products at batch 1 (a 1B Q4_K model on the AVX2 EPYC). Each an fp16 times an int8: exact in
-// fp32, the values rebuild() uses.
+// Every sub-block's scale and min (block_scales) of a 4-bit grouped panel, for the int8-activation loop:
+// the values rebuild() uses.
 void grouped_scales(const void* ctx, int64_t p, float* scratch, const float** scale, const float** min) {
   const Grouped& g = *static_cast<const Grouped*>(ctx);
   const int64_t nb = g.k / g.block;
-  const int8_t* sc = g.sc + p * g.sc_p();
-  const int8_t* mn = g.mn != nullptr ? g.mn + p * g.sc_p() : nullptr;
-  const c10::Half* d = g.d + p * g.d_p();
-  const c10::Half* dmin = g.dmin != nullptr ? g.dmin + p * g.d_p() : nullptr;
-  const auto widen_i8 = [](const int8_t* v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
-  };
-  const auto widen_f16 = [](const c10::Half* v) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
-  };
   float* s = scratch;
   float* n = scratch + nb * kPanel;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t group = b * g.block / g.group;
-    for (int c = 0; c < kPanel; c += 8) {
-      _mm256_storeu_ps(s + b * kPanel + c, _mm256_mul_ps(widen_f16(d + group * kPanel + c), widen_i8(sc + b * kPanel + c)));
-      const __m256 low = mn != nullptr ? _mm256_mul_ps(widen_f16(dmin + group * kPanel + c), widen_i8(mn + b * kPanel + c))
-                                       : _mm256_setzero_ps();
-      _mm256_storeu_ps(n + b * kPanel + c, _mm256_xor_ps(low, _mm256_set1_ps(-0.0f)));  // -(dmin mn)
-    }
-  }
+  for (int64_t b = 0; b < nb; ++b) block_scales(g, p, b, s + b * kPanel, n + b * kPanel);
   *scale = s;
   *min = n;
 }
