@@ -9,6 +9,11 @@ so memory holds one tensor, not the model.
 
   python -m tokenmill.engine.bench.quant_model --out /tmp/llama-1b-q4k.gguf               # 1.07B, Q4_K
   python -m tokenmill.engine.bench.quant_model --out m.gguf --preset small --type Q6_K
+  python -m tokenmill.engine.bench.quant_model --out /tmp/llama-1b-q4km.gguf --type Q4_K_M  # the usual mix
+
+Q4_K_M is not a tensor type but the mix most GGUF downloads are: Q4_K, with Q6_K for the output (here the
+tied embedding) and for attn_v and ffn_down in the first and last eighth of the layers and every third
+layer between (llama.cpp's rule for that file type).
 """
 
 import argparse
@@ -43,6 +48,19 @@ def _tensors(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vo
     return out
 
 
+def tensor_type(name: str, type_name: str, layers: int) -> str:
+    """The GGUF type of 2-D tensor `name`: type_name itself, or its pick in a mix (Q4_K_M)."""
+    if type_name != "Q4_K_M":
+        return type_name
+    if name == "token_embd.weight":  # tied: it is also the output
+        return "Q6_K"
+    if name.endswith((".attn_v.weight", ".ffn_down.weight")):
+        i = int(name.split(".")[1])
+        if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
 def write_model(out: pathlib.Path, preset: str, type_name: str, seed: int = 0) -> dict[str, int]:
     """Write the GGUF; returns {"parameters": .., "bytes": ..}."""
     import gguf
@@ -68,13 +86,13 @@ def write_model(out: pathlib.Path, preset: str, type_name: str, seed: int = 0) -
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
             w.add_key_value(key, field.contents(), field.types[0], sub)
-    qtype = gguf.GGMLQuantizationType[type_name]
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
     specs = _tensors(hidden, inter, layers, heads, kv_heads, vocab)
     for name, shape in specs:
         if len(shape) == 1:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4, raw_dtype=gguf.GGMLQuantizationType.F32)
         else:
+            qtype = gguf.GGMLQuantizationType[tensor_type(name, type_name, layers)]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
             raw = (shape[0], shape[1] // block * size)  # gguf-py takes a quantized tensor's shape in bytes
             w.add_tensor_info(name, raw, np.dtype(np.uint8), raw[0] * raw[1], raw_dtype=qtype)
     w.write_header_to_file()
@@ -82,11 +100,12 @@ def write_model(out: pathlib.Path, preset: str, type_name: str, seed: int = 0) -
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     params = total = 0
-    for _, shape in specs:  # in the header's order
+    for name, shape in specs:  # in the header's order
         if len(shape) == 1:
             data = np.ones(shape, dtype=np.float32)
         else:
-            data = np.ascontiguousarray(quantize(rng.standard_normal(shape, dtype=np.float32) * 0.02, type_name))
+            drawn = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            data = np.ascontiguousarray(quantize(drawn, tensor_type(name, type_name, layers)))
         w.write_tensor_data(data)
         params += int(np.prod(shape))
         total += data.nbytes
@@ -98,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tokenmill.engine.bench.quant_model", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=pathlib.Path)
     p.add_argument("--preset", choices=sorted(PRESETS), default="1b")
-    p.add_argument("--type", default="Q4_K", help="GGUF type of every 2-D tensor (default Q4_K)")
+    p.add_argument("--type", default="Q4_K", help="GGUF type of every 2-D tensor (default Q4_K), or Q4_K_M (a mix)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
