@@ -111,16 +111,17 @@ Grouped check_grouped(const char* op, int64_t k, const at::Tensor& lo, const at:
                  offset};
 }
 
-// Sub-block b of panel p: its scale d * sc and min -(dmin * mn) (-0 without mins) for the 16 columns, so
-// that w = fma(q - offset, scale, min). Each an fp16 times an int8: exact in fp32. 8 lanes at a time with
-// F16C where built: in scalar code these conversions cost as much as rebuilding the block's 32 x 16
-// nibbles (a 1B Q4_K model's batch-1 step on the AVX2 EPYC).
-inline void block_scales(const Grouped& g, int64_t p, int64_t b, float* scale, float* nmin) {
-  const int64_t s = b * g.block / g.group;
-  const int8_t* sc = g.sc + p * g.sc_p() + b * kPanel;
-  const int8_t* mn = g.mn != nullptr ? g.mn + p * g.sc_p() + b * kPanel : nullptr;
-  const c10::Half* d = g.d + p * g.d_p() + s * kPanel;
-  const c10::Half* dmin = g.dmin != nullptr ? g.dmin + p * g.d_p() + s * kPanel : nullptr;
+// Sub-blocks [b0, b1) of panel p: each one's scale d * sc and min -(dmin * mn) (-0 without mins) for the 16
+// columns, [b1 - b0, 16] each, so that w = fma(q - offset, scale, min). Each an fp16 times an int8: exact in
+// fp32. 8 lanes at a time with F16C where built: in scalar code these conversions cost as much as the
+// int8 loop's dot products at batch 1 (a 1B Q4_K model on the AVX2 EPYC). A range per call: the int8
+// loop takes a whole panel's, the rebuild a chunk's.
+inline void block_scales(const Grouped& g, int64_t p, int64_t b0, int64_t b1, float* scale, float* nmin) {
+  const int8_t* sc = g.sc + p * g.sc_p();
+  const int8_t* mn = g.mn != nullptr ? g.mn + p * g.sc_p() : nullptr;
+  const c10::Half* d = g.d + p * g.d_p();
+  const c10::Half* dmin = g.dmin != nullptr ? g.dmin + p * g.d_p() : nullptr;
+  const int64_t per_group = g.group / g.block;
 #if defined(TOKENMILL_LINEAR_AVX2)
   const auto widen_i8 = [](const int8_t* v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
@@ -128,15 +129,22 @@ inline void block_scales(const Grouped& g, int64_t p, int64_t b, float* scale, f
   const auto widen_f16 = [](const c10::Half* v) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
   };
-  for (int c = 0; c < kPanel; c += 8) {
-    _mm256_storeu_ps(scale + c, _mm256_mul_ps(widen_f16(d + c), widen_i8(sc + c)));
-    const __m256 low = mn != nullptr ? _mm256_mul_ps(widen_f16(dmin + c), widen_i8(mn + c)) : _mm256_setzero_ps();
-    _mm256_storeu_ps(nmin + c, _mm256_xor_ps(low, _mm256_set1_ps(-0.0f)));
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s = b / per_group, o = (b - b0) * kPanel;
+    for (int c = 0; c < kPanel; c += 8) {
+      _mm256_storeu_ps(scale + o + c, _mm256_mul_ps(widen_f16(d + s * kPanel + c), widen_i8(sc + b * kPanel + c)));
+      const __m256 low = mn != nullptr ? _mm256_mul_ps(widen_f16(dmin + s * kPanel + c), widen_i8(mn + b * kPanel + c))
+                                       : _mm256_setzero_ps();
+      _mm256_storeu_ps(nmin + o + c, _mm256_xor_ps(low, _mm256_set1_ps(-0.0f)));
+    }
   }
 #else
-  for (int c = 0; c < kPanel; ++c) {
-    scale[c] = static_cast<float>(d[c]) * static_cast<float>(sc[c]);
-    nmin[c] = mn != nullptr ? -(static_cast<float>(dmin[c]) * static_cast<float>(mn[c])) : -0.0f;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s = b / per_group, o = (b - b0) * kPanel;
+    for (int c = 0; c < kPanel; ++c) {
+      scale[o + c] = static_cast<float>(d[s * kPanel + c]) * static_cast<float>(sc[b * kPanel + c]);
+      nmin[o + c] = mn != nullptr ? -(static_cast<float>(dmin[s * kPanel + c]) * static_cast<float>(mn[b * kPanel + c])) : -0.0f;
+    }
   }
 #endif
 }
@@ -193,14 +201,19 @@ void rebuild_planes(const uint8_t* lo, const uint32_t* hi, int64_t j0, int64_t j
 }
 #endif
 
-// Panel p's weights for k in [k0, k1) (k0, k1 multiples of the block size) as float32 rows of 16.
+// Panel p's weights for k in [k0, k1) (k0, k1 multiples of the block size, k1 - k0 <= kChunk) as float32
+// rows of 16.
 void rebuild(const Grouped& g, int64_t p, int64_t k0, int64_t k1, float* w) {
+  TORCH_CHECK(k1 - k0 <= kChunk, "rebuild: at most ", kChunk, " k at a time, got ", k1 - k0);
   const uint8_t* lo = g.lo + p * g.lo_p();
   const uint32_t* hi = g.hi + p * g.hi_p();
   const float off = static_cast<float>(g.offset);
+  // The chunk's sub-blocks' scales and mins first (kChunk / 16 sub-blocks at most).
+  float scales[kChunk / 16 * kPanel], nmins[kChunk / 16 * kPanel];
+  block_scales(g, p, k0 / g.block, k1 / g.block, scales, nmins);
   for (int64_t b = k0 / g.block; b < k1 / g.block; ++b) {
-    float scale[kPanel], nmin[kPanel];
-    block_scales(g, p, b, scale, nmin);
+    const float* scale = scales + (b - k0 / g.block) * kPanel;
+    const float* nmin = nmins + (b - k0 / g.block) * kPanel;
 #if defined(TOKENMILL_LINEAR_AVX2)
     // The codes kernels' 8-lane rebuild gives the same fma(q, scale, nmin) as the loop below.
     if (g.nibble_blocks()) {
@@ -559,7 +572,7 @@ void grouped_scales(const void* ctx, int64_t p, float* scratch, const float** sc
   const int64_t nb = g.k / g.block;
   float* s = scratch;
   float* n = scratch + nb * kPanel;
-  for (int64_t b = 0; b < nb; ++b) block_scales(g, p, b, s + b * kPanel, n + b * kPanel);
+  block_scales(g, p, 0, nb, s, n);
   *scale = s;
   *min = n;
 }
