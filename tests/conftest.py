@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 CPU_TIER_MODULES = {
     "test_attention_cpu_direct", "test_cpu_probe", "test_decoder_layers_cpu", "test_gemm_cpu", "test_kernels_cpu",
     "test_kernels_kv8", "test_layers_cpu", "test_linear_bf16_codes", "test_linear_bf16_dot", "test_linear_cpu",
-    "test_linear_dense_bf16", "test_codes_int8", "test_int8_activations",
+    "test_linear_dense_bf16", "test_codes_int8", "test_int8_activations", "test_grouped_linear_cpu",
     "test_model_loader", "test_quant_sizing",
     "test_topk_cpu",
 }  # fmt: skip
