@@ -310,11 +310,16 @@ void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t k, float* ac
 #endif
 }
 
-// Panels per tile for a block of `rows` rows: 4 for one row, 2 for two or three (8 to 12 independent sums).
+// Panels per tile for a block of `rows` rows: 4 for one row, 2 for two or three (8 to 12 independent sums
+// on AVX2, 4 to 6 on AVX-512, whose 16 lanes hold a panel row in one register).
 inline int64_t tile_panels(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
 void rows_tile_fp32(int64_t rows, int64_t np, const float* x, int64_t ldx, const float* w, int64_t k, float* acc,
                     int64_t acc_panel) {
+  if (np > 1 && rows > (np > 2 ? 1 : 3)) {  // no tile of that shape (tile_panels never asks): a panel at a time
+    for (int64_t q = 0; q < np; ++q) rows_tile_fp32(rows, 1, x, ldx, w + q * k * kPanel, k, acc + q * acc_panel, acc_panel);
+    return;
+  }
   if (np == 4) return tile_fp32<1, 4>(x, ldx, w, k, acc, acc_panel);
   if (np == 3) return tile_fp32<1, 3>(x, ldx, w, k, acc, acc_panel);
   if (np == 2) {
@@ -357,7 +362,8 @@ void linear_fp32(const Grouped& g, const float* x, int64_t ldx, int64_t m, TOut*
       const int64_t r1 = std::min(m, r0 + kRowBlock);
       for (int64_t p = begin; p < end; p += np_max) {
         const int64_t np = std::min(np_max, end - p);
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t q = 0; q < np; ++q)  // the rows in use only: one row's group would clear 32 KB otherwise
+          std::fill_n(acc.data() + q * acc_panel, (r1 - r0) * kPanel, 0.0f);
         for (int64_t k0 = 0; k0 < g.k; k0 += kc) {  // g.k and kc are multiples of the block size
           const int64_t k1 = std::min(g.k, k0 + kc);
           for (int64_t q = 0; q < np; ++q) rebuild(g, p + q, k0, k1, w.data() + q * (k1 - k0) * kPanel);
