@@ -316,7 +316,7 @@ inline int64_t tile_panels(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 2 
 
 void rows_tile_fp32(int64_t rows, int64_t np, const float* x, int64_t ldx, const float* w, int64_t k, float* acc,
                     int64_t acc_panel) {
-  if (np > 1 && rows > (np > 2 ? 1 : 3)) {  // no tile of that shape (tile_panels never asks): a panel at a time
+  if (np > tile_panels(rows)) {  // no tile of that shape (linear_fp32 never asks): a panel at a time
     for (int64_t q = 0; q < np; ++q) rows_tile_fp32(rows, 1, x, ldx, w + q * k * kPanel, k, acc + q * acc_panel, acc_panel);
     return;
   }
