@@ -1,6 +1,7 @@
-// Integer weight codes as bf16 operands: shared by the AVX-512 BF16 dot kernel (cpu_linear_bf16.cpp)
-// and the AMX tile kernel (cpu_linear_amx.cpp), which read the same code panels (cpu_linear.cpp's
-// layout: int8 [panels, K, 16] or nibbles uint8 [panels, K / 2, 16]).
+// Integer weight codes as bf16 operands: shared by the AVX-512 BF16 dot kernel (cpu_linear_bf16.cpp),
+// the AMX tile kernels (cpu_linear_amx.cpp) and the dense kernel's GEMM on codes (cpu_dense_bf16.cpp),
+// which read the same code panels (cpu_linear.cpp's layout: int8 [panels, K, 16] or nibbles uint8
+// [panels, K / 2, 16]).
 #pragma once
 
 #include <immintrin.h>
@@ -75,6 +76,44 @@ inline void code_floats(const int8_t* codes, int64_t j, __m512& lo, __m512& hi) 
   }
 }
 
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// vpermw indices that turn [lo 0..15 | hi 0..15] into the pairs (lo i, hi i).
+inline __m512i pair_interleave() {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<uint16_t>(i);
+    idx[2 * i + 1] = static_cast<uint16_t>(16 + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// Panel p's bf16 weights bf16(d c + m) for every k, as pairs: out[j] holds (w(2j, i), w(2j + 1, i)) for the
+// 16 columns i, the dense bf16 panels' layout (cpu_dense_bf16.cpp) and an AMX B tile's rows; zeros for a
+// panel past the weight's last. d c is exact, so the fma rounds once, as the fp32 weight d c + m did, and
+// the RNE rounding to bf16 gives the bf16 model's weight bit for bit (the values oneDNN's path multiplies).
+template <bool Q4, typename S>
+void dequant_panel(__m512i* out, int64_t p, int64_t panels, int64_t nb, const int8_t* codes, int64_t kb,
+                   const S* scales, const S* mins, __m512i interleave) {
+  constexpr int64_t kPanel = 16, kCodeBlock = 32;
+  if (p >= panels) {
+    std::fill(out, out + nb * kCodeBlock / 2, _mm512_setzero_si512());
+    return;
+  }
+  const int8_t* cp = codes + p * kb;
+  const S* ps = scales + p * nb * kPanel;
+  const S* pm = mins + p * nb * kPanel;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 d = load16(ps + b * kPanel), mn = load16(pm + b * kPanel);
+    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j) {
+      __m512 lo, hi;
+      code_floats<Q4>(cp, j, lo, hi);
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d, hi, mn), _mm512_fmadd_ps(d, lo, mn));
+      out[j] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both));
+    }
+  }
+}
 #endif
 
 // run(out pointer, scales pointer, mins pointer) with out bf16 or fp32 and the scales and mins fp32 or

@@ -160,38 +160,6 @@ void panels_amx(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, 
 // sum over all of K and are read back once. 2 panels x 2 groups of 16 rows per pass: 4 C tiles, 2 A, 2 B
 // (an odd last group: 2 C tiles, 1 A).
 
-inline __m512i pair_interleave() {
-  alignas(64) uint16_t idx[32];
-  for (int i = 0; i < 16; ++i) {
-    idx[2 * i] = static_cast<uint16_t>(i);
-    idx[2 * i + 1] = static_cast<uint16_t>(16 + i);
-  }
-  return _mm512_load_si512(idx);
-}
-
-// Panel p's B tiles for every block into bt[nb * 16]; zeros for a panel past the weight's last.
-template <bool Q4, typename S>
-void dequant_panel(__m512i* bt, int64_t p, int64_t panels, int64_t nb, const int8_t* codes, int64_t kb,
-                   const S* scales, const S* mins, __m512i interleave) {
-  if (p >= panels) {
-    std::fill(bt, bt + nb * kCodeBlock / 2, _mm512_setzero_si512());
-    return;
-  }
-  const int8_t* cp = codes + p * kb;
-  const S* ps = scales + p * nb * kPanel;
-  const S* pm = mins + p * nb * kPanel;
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 d = tokenmill_cpu::load16(ps + b * kPanel), mn = tokenmill_cpu::load16(pm + b * kPanel);
-    for (int64_t j = b * kCodeBlock / 2; j < (b + 1) * kCodeBlock / 2; ++j) {
-      // bf16(d c + m) for k = 2j and 2j + 1, then [lo 0..15 | hi 0..15] -> (lo i, hi i): a B tile's row.
-      __m512 lo, hi;
-      tokenmill_cpu::code_floats<Q4>(cp, j, lo, hi);
-      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d, hi, mn), _mm512_fmadd_ps(d, lo, mn));
-      bt[j] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both));
-    }
-  }
-}
-
 // Panel pairs [begin, end) of the output for all M rows. xp: x padded to whole groups of 16 rows (lda apart).
 template <bool Q4, typename TOut, typename S>
 void panel_pairs_dequant(int64_t begin, int64_t end, int64_t m, const c10::BFloat16* xp, int64_t lda, int64_t nb,
@@ -200,15 +168,15 @@ void panel_pairs_dequant(int64_t begin, int64_t end, int64_t m, const c10::BFloa
   // Tiles 0-3: C (group g / g + 1 x panel p / p + 1), 4-5: A (the two groups), 6-7: B (the two panels).
   const TileConfig cfg = tile_config(8);
   _tile_loadconfig(&cfg);
-  const __m512i interleave = pair_interleave();
+  const __m512i interleave = tokenmill_cpu::pair_interleave();
   const int64_t tiles = nb * kCodeBlock / 2, ldb = lda * sizeof(c10::BFloat16);
   std::vector<__m512i> bt(2 * tiles);  // both panels' B tiles: 2 KB per block (96 KB for K = 1536)
   alignas(64) float cbuf[4][kGroup * kPanel];
   const int64_t groups = (m + kGroup - 1) / kGroup;
   for (int64_t pp = begin; pp < end; ++pp) {
     const int64_t p0 = 2 * pp;
-    dequant_panel<Q4, S>(bt.data(), p0, panels, nb, codes, kb, scales, mins, interleave);
-    dequant_panel<Q4, S>(bt.data() + tiles, p0 + 1, panels, nb, codes, kb, scales, mins, interleave);
+    tokenmill_cpu::dequant_panel<Q4, S>(bt.data(), p0, panels, nb, codes, kb, scales, mins, interleave);
+    tokenmill_cpu::dequant_panel<Q4, S>(bt.data() + tiles, p0 + 1, panels, nb, codes, kb, scales, mins, interleave);
     for (int64_t g = 0; g < groups; g += 2) {
       const c10::BFloat16* a = xp + g * kGroup * lda;
       const bool pair = g + 1 < groups;  // an odd last group runs alone (tiles 0 and 1)
