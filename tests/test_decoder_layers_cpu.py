@@ -51,7 +51,8 @@ def _generate(llm, prompts, fused: bool, monkeypatch) -> tuple[list, list[int]]:
 
 
 # 1 row: the dot kernel; 6 rows: the AMX codes kernel where the CPU has AMX; 40: the AMX dequant kernel
-# there, and past the dot kernel's rows without AMX (bf16_codes_max_rows: then the Python loop runs).
+# there, and past the dot kernel's rows without AMX: the dense kernel on rebuilt codes or the fp32-FMA GEMM
+# (bf16_codes_max_rows: where neither runs, the Python loop).
 @pytest.mark.parametrize("batch", [1, 6, 40])
 def test_fused_layers_give_the_python_loops_tokens_and_logprobs(llm_bf16, batch, monkeypatch) -> None:
     g = torch.Generator().manual_seed(batch)

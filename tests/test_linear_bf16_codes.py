@@ -4,7 +4,8 @@ On CPUs with oneDNN's bf16 and the fp32 linear kernel (AVX-512 BF16 machines), E
 model in fp32, ModelRunner keeps each projection's int8 codes (1.25 bytes per weight instead of bf16's
 2), casts the model to bf16 and drops the unpacked bf16 copies: rows up to bf16_codes_max_rows() run
 from the codes (the bf16 dot kernel where the CPU has AVX-512 BF16, else the fp32 kernel), larger
-batches on oneDNN's prepacked bf16 weights.
+batches on oneDNN's prepacked bf16 weights, or where the codes run every batch (the GEMM on them, or the
+dense bf16 kernel on the codes rebuilt to the bf16 weights) on the codes alone.
 """
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from tokenmill.engine.layers.cpu_gemm_policy import (
     amx_codes_supported,
     amx_dequant_min_rows,
+    bf16_codes_dense_min_rows,
     bf16_codes_max_rows,
     bf16_codes_wanted,
     bf16_gemm_min_rows,
@@ -50,12 +52,17 @@ def test_single_rows_run_from_the_codes_and_round_once_to_bf16() -> None:
     lin.to(torch.bfloat16)
     lin.prepack()
     assert lin.weight is None  # single rows read the codes, larger batches the packed copy
+    assert (lin.packed is None) == (bf16_codes_max_rows() >= 1 << 62)  # no oneDNN copy where codes take all
     g = torch.Generator().manual_seed(2)
     max_rows = bf16_codes_max_rows()
     # Where the CPU has AMX, batches from amx_dequant_min_rows() multiply by the bf16 weights (rebuilt
     # from the codes), as oneDNN does past max_rows.
     bf16_weights_from = min(amx_dequant_min_rows() if amx_codes_supported() else max_rows + 1, max_rows + 1)
-    if max_rows >= 1 << 62:  # every batch on the codes (from bf16_gemm_min_rows the GEMM): fp32 weights
+    if max_rows >= 1 << 62 and bf16_codes_dense_min_rows() < 1 << 62:
+        # every batch on the codes; from bf16_codes_dense_min_rows the dense kernel on the bf16 weights
+        bf16_weights_from = bf16_codes_dense_min_rows()
+        max_rows = bf16_weights_from + 8
+    elif max_rows >= 1 << 62:  # every batch on the codes (from bf16_gemm_min_rows the GEMM): fp32 weights
         max_rows = bf16_gemm_min_rows() + 8
         bf16_weights_from = max_rows + 3
     for rows in (*range(1, 10), bf16_weights_from - 1, bf16_weights_from, max_rows - 1, max_rows, max_rows + 1,

@@ -122,6 +122,51 @@ def test_wrong_arguments_are_refused_with_what_was_expected() -> None:
         ops.pack_bf16_weight(torch.zeros(32, 64))
 
 
+# ---- the dense kernel on integer codes rebuilt to bf16 panels (linear_codes_dense) ------------------------
+
+
+@dense
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("half_scales", [False, True])
+def test_codes_dense_equals_the_dense_kernel_on_the_bf16_cast_bit_for_bit(kind: str, half_scales: bool) -> None:
+    # The codes rebuilt as bf16(d c + m) are the weights the model cast to bf16 holds, so the results must
+    # be linear_dense_bf16's on pack_bf16_weight of that cast, bit for bit. N 200: groups of 4 panels and a
+    # ragged last group (12 panels + 8 columns); rows 1-13 every tile height, 64 a decode batch, 260 two
+    # row blocks; K 576 (the bundled model's) in blocks of 32.
+    n, k = 200, 576
+    w = quantized_weight(n, k, kind, seed=21)
+    if half_scales and kind == "q4_1":  # GGUF's fp16 mins, as bf16 models keep them: each block's smallest code 0
+        blocks = w.double().view(n, k // 32, 32)
+        w = (blocks - blocks.amin(-1, keepdim=True) + blocks.amin(-1, keepdim=True).half().double()).float().view(n, k)
+    packed = codes_weight(w, nibbles=True)
+    assert (packed.codes.dtype == torch.uint8) == (kind == "q4_1")  # nibbles and int8 codes both run
+    scales, mins = (packed.scales.half(), packed.mins.half()) if half_scales else (packed.scales, packed.mins)
+    assert torch.equal(scales.float(), packed.scales) and torch.equal(mins.float(), packed.mins)
+    dense_w = _ops().pack_bf16_weight(w.to(torch.bfloat16))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    g = torch.Generator().manual_seed(9)
+    for m in (*range(1, 14), 64, 260):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        for b, dtype in ((None, torch.bfloat16), (bias, torch.float32)):
+            got = torch.full((m, n), float("nan"), dtype=dtype)
+            _ops().linear_codes_dense(got, x, packed.codes, scales, mins, b)
+            want = torch.empty(m, n, dtype=dtype)
+            _ops().linear_dense_bf16(want, x, dense_w, b)
+            assert torch.equal(got, want), f"{m} rows, {dtype}: max difference {(got - want).abs().max().item()}"
+    # ...and the product within the dense kernel's bound of the bf16 weights' exact product.
+    _check(got, x, w.to(torch.bfloat16).float(), bias)
+
+
+@dense
+def test_codes_dense_refuses_codes_that_do_not_match_x() -> None:
+    packed = codes_weight(quantized_weight(32, 64, "q4_1", seed=3), nibbles=True)
+    x = torch.randn(2, 96).to(torch.bfloat16)  # K 96: the codes hold K 64
+    with pytest.raises(RuntimeError, match="linear_codes_dense"):
+        _ops().linear_codes_dense(torch.empty(2, 32), x, packed.codes, packed.scales, packed.mins, None)
+    with pytest.raises(RuntimeError, match="x must be 2-D bfloat16"):
+        _ops().linear_codes_dense(torch.empty(2, 32), torch.randn(2, 64), packed.codes, packed.scales, packed.mins, None)
+
+
 # ---- the fp32-FMA GEMM for larger batches (kernels/csrc/cpu_gemm_bf16.cpp) --------------------------
 
 

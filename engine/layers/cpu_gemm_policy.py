@@ -151,6 +151,8 @@ def bf16_codes_max_rows() -> int:
         return AMX_CODES_MAX_ROWS
     if bf16_gemm_min_rows() <= BF16_DOT_MAX_ROWS:  # the GEMM on the codes takes every larger batch
         return 1 << 62
+    if bf16_codes_dense_min_rows() <= BF16_DOT_MAX_ROWS + 1:  # so does the dense kernel on rebuilt codes
+        return 1 << 62
     return BF16_DOT_MAX_ROWS if bf16_dot_supported() else BF16_CODES_MAX_ROWS
 
 
@@ -214,6 +216,21 @@ def bf16_gemm_min_rows() -> int:
         return 1 << 62
     dot, fma = cpu_kernels.load().bf16_dot_fma_gflops()
     return BF16_GEMM_MIN_ROWS if fma >= GEMM_FMA_ADVANTAGE * dot else 1 << 62
+
+
+@functools.cache
+def bf16_codes_dense_min_rows() -> int:
+    """Rows from which bf16 rows on integer codes run the dense bf16 kernel on the codes rebuilt to bf16
+    panels once per call (linear_codes_dense), past the dot kernel's BF16_DOT_MAX_ROWS: on AVX-512 BF16 CPUs
+    without AMX where the fp32-FMA GEMM does not run (vdpbf16ps outruns the FMAs). 1 << 62 elsewhere (AMX
+    and the GEMM take those batches). TOKENMILL_BF16_CODES_DENSE_ROWS overrides it, for A/B runs (a large
+    value sends those batches to oneDNN's bf16 copy again)."""
+    env = os.environ.get("TOKENMILL_BF16_CODES_DENSE_ROWS")
+    if env is not None:
+        return int(env)
+    if not dense_bf16_supported() or probe().at_least("amx") or bf16_gemm_min_rows() < 1 << 62:
+        return 1 << 62
+    return BF16_DOT_MAX_ROWS + 1
 
 
 def bf16_codes_wanted(device: torch.device, dtype: torch.dtype) -> bool:

@@ -14,6 +14,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     PREPACK_MIN_ROWS,
     amx_codes_supported,
     amx_dequant_min_rows,
+    bf16_codes_dense_min_rows,
     bf16_codes_max_rows,
     bf16_dot_supported,
     bf16_gemm_min_rows,
@@ -54,8 +55,9 @@ class CpuPackedWeight:
     ) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias, fp32), in x's dtype (or out_dtype: fp32 logits from bf16 x on the
         bf16 dot kernel): fp32, or bf16 on codes for up to CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded
-        once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one;
-        dense bf16 panels the dense dot kernel; either from bf16_gemm_min_rows rows the fp32-FMA GEMM."""
+        once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one,
+        or from bf16_codes_dense_min_rows rows the dense kernel on rebuilt codes; dense bf16 panels the
+        dense dot kernel; either from bf16_gemm_min_rows rows the fp32-FMA GEMM."""
         # A decode step makes ~120 of these calls: 2-D inputs skip the reshape and view (each ~1 us).
         flat = x.dim() == 2
         rows = x if flat else x.reshape(-1, x.shape[-1])
@@ -72,6 +74,8 @@ class CpuPackedWeight:
                 op = ops.linear_codes_gemm
             elif rows.shape[0] >= AMX_MIN_ROWS and amx_codes_supported():
                 op = ops.linear_dequant_amx if rows.shape[0] >= amx_dequant_min_rows() else ops.linear_codes_amx
+            elif rows.shape[0] >= bf16_codes_dense_min_rows():
+                op = ops.linear_codes_dense
             op(out, rows, self.codes, self.scales, self.mins, bias)
         elif rows.dtype != out.dtype:  # fp32 logits of bf16 rows without the dot kernel: widen x
             return self.linear(x.to(out.dtype), bias)
@@ -187,8 +191,12 @@ class Linear(nn.Linear):
 
     def prepack(self) -> None:
         """oneDNN's bf16 layout. A weight that also has integer codes (attach_codes) runs single rows
-        from them, so its unpacked bf16 copy, which only single rows read, is dropped."""
+        from them, so its unpacked bf16 copy, which only single rows read, is dropped; where the codes
+        run every batch (bf16_codes_max_rows) it keeps no oneDNN copy either."""
         if self.weight is None:  # loaded as codes (model/gguf_weights.py): they run every batch
+            return
+        if self.packed_cpu is not None and bf16_codes_max_rows() >= 1 << 62:  # codes run every batch here
+            self.weight = None
             return
         self.packed = prepack_weight(self.weight)
         if self.packed_cpu is not None:

@@ -309,6 +309,8 @@ class LlamaForCausalLM(nn.Module):
                     self.lm_head.weight = None
                 elif self.par.tp_size == 1:
                     self.model.embed_tokens.packed_cpu, self.model.embed_tokens.weight = self.lm_head_packed_cpu, None
+            elif getattr(self.lm_head_packed_cpu, "codes", None) is not None and bf16_logits_max_rows() >= 1 << 62:
+                pass  # its codes run every batch (cpu_gemm_policy.bf16_logits_max_rows): no oneDNN copy
             else:
                 self.lm_head_packed = prepack_weight(weight)
 

@@ -21,6 +21,7 @@ from tokenmill.engine.layers.cpu_gemm_policy import (
     CPU_PACKED_MAX_ROWS,
     amx_codes_supported,
     amx_dequant_min_rows,
+    bf16_codes_dense_min_rows,
     bf16_codes_max_rows,
     bf16_dot_supported,
     bf16_gemm_min_rows,
@@ -131,6 +132,7 @@ def run_layers(
         bf16_gemm_min_rows(),
         CPU_PACKED_MAX_ROWS,
         int(int8_x),
+        bf16_codes_dense_min_rows(),
     ]
     return cpu_kernels.load().decoder_layers(
         hidden,

@@ -40,33 +40,41 @@ Linear linear_at(at::TensorList w, int64_t base) {
   return {&w[base], &w[base + 1], &w[base + 2], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt};
 }
 
-// engine/layers/linear.py's CpuPackedWeight.linear for bf16 rows: from gemm_min_rows the fp32-FMA GEMM
-// (dense or codes); below it a dense bf16 weight's dot kernel, or on codes the dot kernel, from amx_min_rows
-// the AMX codes kernel, from dequant_min_rows the AMX dequant kernel.
-void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, int64_t amx_min_rows, int64_t dequant_min_rows,
-                int64_t gemm_min_rows, int64_t packed_max_rows, bool int8_x) {
+// The row thresholds that pick a linear's kernel (engine/layers/cpu_gemm_policy.py's, passed in sizes).
+struct Thresholds {
+  int64_t amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, codes_dense_min_rows;
+  bool int8_x;
+};
+
+// engine/layers/linear.py's CpuPackedWeight.linear: fp32 rows on codes or panels; bf16 rows from
+// gemm_min_rows on the fp32-FMA GEMM (dense or codes); below it a dense bf16 weight's dot kernel, or on codes
+// from amx_min_rows the AMX codes kernel (from dequant_min_rows the AMX dequant kernel), else from
+// codes_dense_min_rows the dense kernel on rebuilt codes, else the codes' dot kernel.
+void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, const Thresholds& t) {
   const int64_t rows = x.size(0);
   if (x.scalar_type() == at::kFloat) {  // CpuPackedWeight.linear for fp32 rows
     if (l.scales->numel() == 0)
       tokenmill_cpu::linear_packed(out, x, *l.codes, l.bias);
-    else if (rows > packed_max_rows)
+    else if (rows > t.packed_max_rows)
       tokenmill_cpu::linear_q8_gemm(out, x, *l.codes, *l.scales, *l.mins, l.bias);
-    else if (int8_x)
+    else if (t.int8_x)
       tokenmill_cpu::linear_codes_int8x(out, x, *l.codes, *l.scales, *l.mins, l.bias);
     else
       tokenmill_cpu::linear_packed_q8(out, x, *l.codes, *l.scales, *l.mins, l.bias);
   } else if (l.codes->scalar_type() == at::kBFloat16) {  // dense bf16 panels in the codes' place (no scales, mins)
-    if (rows >= gemm_min_rows)
+    if (rows >= t.gemm_min_rows)
       tokenmill_cpu::linear_dense_gemm(out, x, *l.codes, l.bias);
     else
       tokenmill_cpu::linear_dense_bf16(out, x, *l.codes, l.bias);
-  } else if (rows >= gemm_min_rows) {
+  } else if (rows >= t.gemm_min_rows) {
     tokenmill_cpu::linear_codes_gemm(out, x, *l.codes, *l.scales, *l.mins, l.bias);
-  } else if (rows >= amx_min_rows) {
-    if (rows >= dequant_min_rows)
+  } else if (rows >= t.amx_min_rows) {
+    if (rows >= t.dequant_min_rows)
       tokenmill_cpu::linear_dequant_amx(out, x, *l.codes, *l.scales, *l.mins, l.bias);
     else
       tokenmill_cpu::linear_codes_amx(out, x, *l.codes, *l.scales, *l.mins, l.bias);
+  } else if (rows >= t.codes_dense_min_rows) {
+    tokenmill_cpu::linear_codes_dense(out, x, *l.codes, *l.scales, *l.mins, l.bias);
   } else {
     tokenmill_cpu::linear_codes_bf16(out, x, *l.codes, *l.scales, *l.mins, l.bias);
   }
@@ -75,23 +83,22 @@ void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, int64_t am
 // hidden [T, H] and residual [T, H] (bf16 or fp32) after the step's first layer -> (hidden, residual) after
 // the last. sizes = {num_heads, num_kv_heads, head_dim, qkv width, intermediate size, max_query_len, max_pairs,
 // amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, int8_x (0 or 1: fp32 rows on codes take
-// int8 activations, CpuPackedWeight.int8_x)}.
+// int8 activations, CpuPackedWeight.int8_x), codes_dense_min_rows}.
 std::tuple<at::Tensor, at::Tensor> decoder_layers(at::Tensor hidden, at::Tensor residual,
                                                   at::TensorList weights, const at::Tensor& positions,
                                                   const at::Tensor& cos, const at::Tensor& sin,
                                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                                   double scale, double eps, at::IntArrayRef sizes) {
-  TORCH_CHECK(sizes.size() == 12, "decoder_layers: sizes must have 12 entries");
+  TORCH_CHECK(sizes.size() == 13, "decoder_layers: sizes must have 13 entries");
   TORCH_CHECK(weights.size() % kPerLayer == 0, "decoder_layers: weights must come ", kPerLayer, " per layer");
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && (dtype == at::kBFloat16 || dtype == at::kFloat) &&
                   residual.sizes() == hidden.sizes() && residual.scalar_type() == dtype,
               "decoder_layers: hidden and residual must be contiguous bf16 or fp32 [tokens, hidden] of one shape and dtype");
   const int64_t heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], qkv_width = sizes[3], inter = sizes[4];
-  const int64_t max_query_len = sizes[5], max_pairs = sizes[6], amx_min_rows = sizes[7], dequant_min_rows = sizes[8];
-  const int64_t gemm_min_rows = sizes[9], packed_max_rows = sizes[10];
-  const bool int8_x = sizes[11] != 0;
+  const int64_t max_query_len = sizes[5], max_pairs = sizes[6];
+  const Thresholds t{sizes[7], sizes[8], sizes[9], sizes[10], sizes[12], sizes[11] != 0};
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(qkv_width == q_size + 2 * kv_size, "decoder_layers: the q|k|v width must be (heads + 2 kv heads) x head_dim");
   const int64_t tokens = hidden.size(0), width = hidden.size(1);
@@ -105,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(at::Tensor hidden, at::Tensor 
     tokenmill_cpu::add_rms_norm(normed, hidden, residual, weights[base], eps);
     residual = hidden;
     at::Tensor qkv = at::empty({tokens, qkv_width}, opts);
-    run_linear(qkv, normed, linear_at(weights, base + 2), amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, int8_x);
+    run_linear(qkv, normed, linear_at(weights, base + 2), t);
     // q and k heads side by side in each row: one in-place rotation of both (LlamaAttention.forward)
     tokenmill_cpu::rotary_neox(qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, head_dim}), positions,
                                cos, sin);
@@ -117,16 +124,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(at::Tensor hidden, at::Tensor 
     tokenmill_cpu::paged_attention_varlen(attn, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                           max_query_len, max_pairs);
     at::Tensor o = at::empty({tokens, width}, opts);
-    run_linear(o, attn.view({tokens, q_size}), linear_at(weights, base + 6), amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, int8_x);
+    run_linear(o, attn.view({tokens, q_size}), linear_at(weights, base + 6), t);
     at::Tensor normed2 = at::empty_like(o);
     tokenmill_cpu::add_rms_norm(normed2, o, residual, weights[base + 1], eps);
     residual = o;
     at::Tensor gate_up = at::empty({tokens, 2 * inter}, opts);
-    run_linear(gate_up, normed2, linear_at(weights, base + 10), amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, int8_x);
+    run_linear(gate_up, normed2, linear_at(weights, base + 10), t);
     at::Tensor act = at::empty({tokens, inter}, opts);
     tokenmill_cpu::silu_and_mul(act, gate_up);
     hidden = at::empty({tokens, width}, opts);
-    run_linear(hidden, act, linear_at(weights, base + 14), amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, int8_x);
+    run_linear(hidden, act, linear_at(weights, base + 14), t);
   }
   return {hidden, residual};
 }

@@ -24,6 +24,8 @@ void linear_dense_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
                        const c10::optional<at::Tensor>& bias);
 void linear_dense_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                        const c10::optional<at::Tensor>& bias);
+void linear_codes_dense(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 void linear_codes_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 void linear_dequant_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
