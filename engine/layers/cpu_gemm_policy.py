@@ -142,7 +142,8 @@ def amx_dequant_min_rows() -> int:
 
 @functools.cache
 def bf16_codes_max_rows() -> int:
-    """Rows up to which a bf16 model's linears run from their integer codes (the rest: oneDNN).
+    """Rows up to which a bf16 model's linears run from their integer codes (the rest: oneDNN); every
+    batch where the fp32-FMA GEMM or the dense kernel on rebuilt codes takes the large ones.
     TOKENMILL_BF16_CODES_ROWS overrides it, for A/B runs (read once per process)."""
     env = os.environ.get("TOKENMILL_BF16_CODES_ROWS")
     if env is not None:
@@ -224,7 +225,7 @@ def bf16_codes_dense_min_rows() -> int:
     panels once per call (linear_codes_dense), past the dot kernel's BF16_DOT_MAX_ROWS: on AVX-512 BF16 CPUs
     without AMX where the fp32-FMA GEMM does not run (vdpbf16ps outruns the FMAs). 1 << 62 elsewhere (AMX
     and the GEMM take those batches). TOKENMILL_BF16_CODES_DENSE_ROWS overrides it, for A/B runs (a large
-    value sends those batches to oneDNN's bf16 copy again)."""
+    value keeps it out: past BF16_DOT_MAX_ROWS the dot kernel, or oneDNN's copy where the model keeps one)."""
     env = os.environ.get("TOKENMILL_BF16_CODES_DENSE_ROWS")
     if env is not None:
         return int(env)

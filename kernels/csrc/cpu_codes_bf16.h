@@ -116,20 +116,26 @@ void dequant_panel(__m512i* out, int64_t p, int64_t panels, int64_t nb, const in
 }
 #endif
 
-// run(out pointer, scales pointer, mins pointer) with out bf16 or fp32 and the scales and mins fp32 or
-// fp16 (check_codes has checked that both have the same dtype): the kernels' four instantiations.
+// run(scales pointer, mins pointer) with the scales and mins fp32 or fp16 (check_codes has checked that
+// both have the same dtype).
+template <typename F>
+void dispatch_scales(const at::Tensor& scales, const at::Tensor& mins, F&& run) {
+  if (scales.scalar_type() == at::kHalf)
+    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+  else
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+}
+
+// run(out pointer, scales pointer, mins pointer) with out bf16 or fp32 as well: the kernels' four
+// instantiations.
 template <typename F>
 void dispatch_codes_out(at::Tensor& out, const at::Tensor& scales, const at::Tensor& mins, F&& run) {
-  auto with_out = [&](auto* sp, auto* mp) {
+  dispatch_scales(scales, mins, [&](auto* sp, auto* mp) {
     if (out.scalar_type() == at::kFloat)
       run(out.data_ptr<float>(), sp, mp);
     else
       run(out.data_ptr<c10::BFloat16>(), sp, mp);
-  };
-  if (scales.scalar_type() == at::kHalf)
-    with_out(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
-  else
-    with_out(scales.data_ptr<float>(), mins.data_ptr<float>());
+  });
 }
 
 }  // namespace tokenmill_cpu

@@ -197,8 +197,9 @@ void linear_dense_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 //
 // Why: on AVX-512 BF16 CPUs without AMX where vdpbf16ps outruns fp32 FMAs (the AMD EPYC here: 236 against
 // 118 GFLOP/s a core), the codes' dot kernel (cpu_linear_bf16.cpp) rescales every block's sums and
-// rebuilds the code pairs once per row tile, so past 32 rows oneDNN's prepacked bf16 copy was faster;
-// rebuilt once per call, the codes run the dense kernel's tiles, and the model keeps no bf16 copy.
+// rebuilds the code pairs once per row tile, which past 32 rows costs more than this rebuild once per
+// call (docs/kernels.md: 4-18% at 64 rows on 3 of the bundled model's 4 shapes, 3-27% at 256), and
+// register tiles on bf16 weights were faster: the codes now take every batch, with no bf16 copy.
 void linear_codes_dense(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
   check_x("linear_codes_dense", x);
@@ -212,7 +213,7 @@ void linear_codes_dense(at::Tensor out, const at::Tensor& x, const at::Tensor& c
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel, nb = k / 32, pairs = k / 2;
   const __m512i interleave = tokenmill_cpu::pair_interleave();
-  auto with = [&](const auto* sp, const auto* mp) {
+  tokenmill_cpu::dispatch_scales(scales, mins, [&](const auto* sp, const auto* mp) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     run_dense(x, out, panels, bp, [&](int64_t p, int64_t np, std::vector<__m512i>& buf) {
       buf.resize(kGroup * pairs);
@@ -224,11 +225,7 @@ void linear_codes_dense(at::Tensor out, const at::Tensor& x, const at::Tensor& c
       }
       return reinterpret_cast<const c10::BFloat16*>(buf.data());
     });
-  };
-  if (scales.scalar_type() == at::kHalf)
-    with(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
-  else
-    with(scales.data_ptr<float>(), mins.data_ptr<float>());
+  });
 #else
   (void)bp;
 #endif

@@ -325,17 +325,13 @@ void linear_codes_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& co
   const bool q4 = codes.scalar_type() == at::kByte;
   const int8_t* cp = static_cast<const int8_t*>(codes.data_ptr());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel, nb = k / kCodeBlock;
-  auto with = [&](const auto* sp, const auto* mp) {
+  tokenmill_cpu::dispatch_scales(scales, mins, [&](const auto* sp, const auto* mp) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     if (q4)
       run_gemm(CodesSource<true, S>{cp, kb, sp, mp, nb}, out, x, panels, bp);
     else
       run_gemm(CodesSource<false, S>{cp, kb, sp, mp, nb}, out, x, panels, bp);
-  };
-  if (scales.scalar_type() == at::kHalf)
-    with(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
-  else
-    with(scales.data_ptr<float>(), mins.data_ptr<float>());
+  });
 #else
   (void)bp;
 #endif
