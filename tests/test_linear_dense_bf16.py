@@ -128,12 +128,13 @@ def test_wrong_arguments_are_refused_with_what_was_expected() -> None:
 @dense
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("half_scales", [False, True])
-def test_codes_dense_equals_the_dense_kernel_on_the_bf16_cast_bit_for_bit(kind: str, half_scales: bool) -> None:
+@pytest.mark.parametrize("n", [200, 170, 90])
+def test_codes_dense_equals_the_dense_kernel_on_the_bf16_cast_bit_for_bit(kind: str, half_scales: bool, n: int) -> None:
     # The codes rebuilt as bf16(d c + m) are the weights the model cast to bf16 holds, so the results must
-    # be linear_dense_bf16's on pack_bf16_weight of that cast, bit for bit. N 200: groups of 4 panels and a
-    # ragged last group (12 panels + 8 columns); rows 1-13 every tile height, 64 a decode batch, 260 two
-    # row blocks; K 576 (the bundled model's) in blocks of 32.
-    n, k = 200, 576
+    # be linear_dense_bf16's on pack_bf16_weight of that cast, bit for bit. N 200, 170, 90: groups of 4
+    # panels and a last group of 1, 3 and 2 panels, the last panel ragged (8, 10, 10 columns); rows 1-13
+    # every tile height, 64 a decode batch, 260 two row blocks; K 576 (the bundled model's) in blocks of 32.
+    k = 576
     w = quantized_weight(n, k, kind, seed=21)
     if half_scales and kind == "q4_1":  # GGUF's fp16 mins, as bf16 models keep them: each block's smallest code 0
         blocks = w.double().view(n, k // 32, 32)

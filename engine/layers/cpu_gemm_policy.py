@@ -222,14 +222,18 @@ def bf16_gemm_min_rows() -> int:
 @functools.cache
 def bf16_codes_dense_min_rows() -> int:
     """Rows from which bf16 rows on integer codes run the dense bf16 kernel on the codes rebuilt to bf16
-    panels once per call (linear_codes_dense), past the dot kernel's BF16_DOT_MAX_ROWS: on AVX-512 BF16 CPUs
-    without AMX where the fp32-FMA GEMM does not run (vdpbf16ps outruns the FMAs). 1 << 62 elsewhere (AMX
-    and the GEMM take those batches). TOKENMILL_BF16_CODES_DENSE_ROWS overrides it, for A/B runs (a large
-    value keeps it out: past BF16_DOT_MAX_ROWS the dot kernel, or oneDNN's copy where the model keeps one)."""
+    panels once per block of 256 rows (linear_codes_dense), past the dot kernel's BF16_DOT_MAX_ROWS: on
+    AVX-512 BF16 CPUs without AMX where the fp32-FMA GEMM does not run (vdpbf16ps outruns the FMAs). 1 << 62
+    elsewhere (AMX and the GEMM take those batches; without the dense kernel, always).
+    TOKENMILL_BF16_CODES_DENSE_ROWS overrides it where the kernel runs, for A/B runs (a value past 33 keeps
+    it out: past BF16_DOT_MAX_ROWS the dot kernel for a GGUF loaded from its blocks, oneDNN's copy for
+    codes found in fp32 weights)."""
+    if not dense_bf16_supported():
+        return 1 << 62
     env = os.environ.get("TOKENMILL_BF16_CODES_DENSE_ROWS")
     if env is not None:
         return int(env)
-    if not dense_bf16_supported() or probe().at_least("amx") or bf16_gemm_min_rows() < 1 << 62:
+    if probe().at_least("amx") or bf16_gemm_min_rows() < 1 << 62:
         return 1 << 62
     return BF16_DOT_MAX_ROWS + 1
 
