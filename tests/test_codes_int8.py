@@ -7,7 +7,7 @@ fp32 rounding), and against the exact fp32 product within the bound that roundin
 
 import pytest
 import torch
-from tokenmill.engine.layers.cpu_gemm_policy import CPU_PACKED_MAX_ROWS, fp32_linear_ops
+from tokenmill.engine.layers.cpu_gemm_policy import CPU_PACKED_MAX_ROWS, fp32_linear_ops, int8x_bf16_supported
 from tokenmill.kernels.cpu_probe import needs
 
 CPU = torch.device("cpu")
@@ -112,8 +112,68 @@ def test_bad_arguments_name_the_problem() -> None:
     codes, scales, mins = _panels(16, 64, True, seed=1)
     with pytest.raises(RuntimeError, match="K=96"):
         ops.linear_codes_int8x(torch.empty(1, 16), torch.randn(1, 96), codes, scales, mins, None)
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.linear_codes_int8x(torch.empty(1, 16), torch.randn(1, 64).bfloat16(), codes, scales, mins, None)
+    bf16 = torch.randn(1, 64).bfloat16()
+    if int8x_bf16_supported():  # the VNNI tiles take bf16 rows, writing bf16 or fp32, not fp16
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            ops.linear_codes_int8x(torch.empty(1, 16, dtype=torch.float16), bf16, codes, scales, mins, None)
+    else:
+        with pytest.raises(RuntimeError, match="float32"):
+            ops.linear_codes_int8x(torch.empty(1, 16), bf16, codes, scales, mins, None)
+    with pytest.raises(RuntimeError, match="float16"):  # scales and mins of one dtype
+        ops.linear_codes_int8x(torch.empty(1, 16), torch.randn(1, 64), codes, scales.half(), mins, None)
+
+
+# The VNNI tiles (AVX-512 VNNI + VBMI builds) also take bf16 rows: a bf16 model's `--int8-activations`.
+vnni = pytest.mark.skipif(not int8x_bf16_supported(), reason="needs a CPU with AVX-512 VNNI and VBMI (the kernels' VNNI tiles)")
+
+
+@vnni
+@pytest.mark.parametrize("n,k,nibbles", [(50, 96, True), (300, 576, True), (64, 1056, False), (40, 64, False)])
+def test_bf16_rows_give_the_fp32_rows_sums_rounded_once(n: int, k: int, nibbles: bool) -> None:
+    """bf16 x is widened exactly, so the fp32 sums equal those of x.float() bit for bit, and a bf16 out is them
+    rounded once; with the bf16 kernels' fp16 scales and mins (every value an fp16) the same again."""
+    ops = fp32_linear_ops(CPU, torch.float32)
+    codes, scales, mins = _panels(n, k, nibbles, seed=n * k)
+    scales, mins = scales.half().float(), mins.half().float()
+    g = torch.Generator().manual_seed(11)
+    b = torch.randn(n, generator=g)
+    for rows in (1, 2, 5, 6, 7, 13, 64):  # tiles of 1-6 rows; 19 panels: pairs and a last one alone, ragged
+        x = (torch.randn(rows, k, generator=g) * torch.linspace(0.1, 10.0, k)).bfloat16()
+        for bias in (None, b):
+            want = torch.empty(rows, n)
+            ops.linear_codes_int8x(want, x.float(), codes, scales, mins, bias)
+            ref, _ = _reference(x.float(), codes, scales, mins, n, bias)
+            magnitude = (x.double().abs() @ _magnitude(codes, scales, mins, n).T).clamp_min(1.0)
+            assert ((want.double() - ref).abs() <= 1e-5 * magnitude).all()
+            for s, m in ((scales, mins), (scales.half(), mins.half())):
+                wide = torch.empty(rows, n)
+                ops.linear_codes_int8x(wide, x, codes, s, m, bias)
+                assert torch.equal(wide, want)
+                narrow = torch.empty(rows, n, dtype=torch.bfloat16)
+                ops.linear_codes_int8x(narrow, x, codes, s, m, bias)
+                assert torch.equal(narrow, want.bfloat16())
+
+
+def _magnitude(codes, scales, mins, n: int) -> torch.Tensor:
+    q, d, m = _weights(codes, scales, mins, n)
+    return d * q.abs() + m.abs()
+
+
+@vnni
+def test_grouped_weights_take_bf16_rows_too() -> None:
+    ops = fp32_linear_ops(CPU, torch.float32)
+    w = _grouped("Q4_K", 200, 512)
+    x = (torch.randn(9, 512, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    want = torch.empty(9, 200)
+    ops.linear_grouped_int8x(want, x.float(), w.lo, w.hi, w.sc, w.mn, w.d, w.dmin, w.fmt_list, None)
+    got = torch.empty(9, 200, dtype=torch.bfloat16)
+    ops.linear_grouped_int8x(got, x, w.lo, w.hi, w.sc, w.mn, w.d, w.dmin, w.fmt_list, None)
+    assert torch.equal(got, want.bfloat16())
+    w.int8_x = True  # bf16 rows take it at every batch size (linear() above 16 rows too)
+    x40 = x.repeat(5, 1)[:40]
+    ref = torch.empty(40, 200)
+    ops.linear_grouped_int8x(ref, x40.float(), w.lo, w.hi, w.sc, w.mn, w.d, w.dmin, w.fmt_list, None)
+    assert torch.equal(w.linear(x40), ref.bfloat16())
 
 
 def _grouped(type_name: str, n: int, k: int):

@@ -123,6 +123,14 @@ def bf16_dot_supported() -> bool:
 
 
 @functools.cache
+def int8x_bf16_supported() -> bool:
+    """Whether `--int8-activations` applies to a bf16 model: the int8-activation kernel's AVX-512 VNNI tiles
+    (kernels/csrc/cpu_codes_int8.cpp) take bf16 rows; the AVX2 ones take fp32 only."""
+    ops = cpu_kernels.load()
+    return ops is not None and ops.linear_int8x_bf16_supported()
+
+
+@functools.cache
 def amx_codes_supported() -> bool:
     """Whether the AMX tile kernel on integer codes built and may run (a CPU with AMX-BF16, and Linux
     granted this process the tile state). TOKENMILL_CODES_AMX=0 turns it off, for A/B runs."""

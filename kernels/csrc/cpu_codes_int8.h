@@ -13,9 +13,13 @@ namespace tokenmill_cpu {
 // the weight's own arrays, or into `scratch` (room for both) where the layout has to compute them.
 using PanelScales = void (*)(const void* ctx, int64_t p, float* scratch, const float** scale, const float** min);
 
-// out [M, N] (fp32, rows contiguous) = x [M, K] (fp32) @ W^T (+ bias [N]) with each row of x rounded to int8
-// per 32 k; W's codes at `codes` (nibbles when q4), `panels` panels of 16 columns. The caller checks shapes.
+// out [M, N] (rows contiguous) = x [M, K] @ W^T (+ bias [N]) with each row of x rounded to int8 per 32 k; W's
+// codes at `codes` (nibbles when q4), `panels` panels of 16 columns. x and out fp32, or with the VNNI tiles
+// (int8x_vnni_built) bf16 x and bf16 or fp32 out. The caller checks shapes and dtypes.
 void linear_int8x_panels(at::Tensor& out, const at::Tensor& x, const int8_t* codes, bool q4, int64_t panels,
                          const float* bias, PanelScales panel_scales, const void* ctx);
+
+// Whether this build has the AVX-512 VNNI tiles, which also take bf16 rows.
+bool int8x_vnni_built();
 
 }  // namespace tokenmill_cpu

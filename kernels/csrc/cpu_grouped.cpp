@@ -585,19 +585,20 @@ void grouped_scales(const void* ctx, int64_t p, float* scratch, const float** sc
 #endif
 
 // The same as linear_grouped's fp32 path with x rounded to int8 per 32 k (`--int8-activations`,
-// cpu_codes_int8.cpp): 4-bit formats with 32-weight sub-blocks and no offset (Q4_K; AWQ and GPTQ int4), whose
+// cpu_codes_int8.cpp; bf16 rows too where its VNNI tiles are built): 4-bit formats with 32-weight sub-blocks and no offset (Q4_K; AWQ and GPTQ int4), whose
 // low nibbles are cpu_linear.cpp's nibble panels.
 void linear_grouped_int8x(at::Tensor out, const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
                           const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
                           at::IntArrayRef fmt, const c10::optional<at::Tensor>& bias) {
   const char* op = "linear_grouped_int8x";
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D float32 with contiguous rows");
+  const bool bf16_ok = tokenmill_cpu::int8x_vnni_built();  // bf16 rows (and fp32 logits of them) on the VNNI tiles
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D ", bf16_ok ? "float32 or bfloat16" : "float32", " with contiguous rows");
   const Grouped g = check_grouped(op, x.size(1), lo, hi, sc, mn, d, dmin, fmt);
   TORCH_CHECK(g.nibble_blocks(), op,
               ": int8 activations take 4-bit codes in 32-weight blocks with no offset (Q4_K, AWQ/GPTQ int4), got bits=",
               fmt[0], " block=", g.block, " offset=", g.offset);
   const int64_t panels = lo.size(0);
-  const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias);  // AVX2 or refused
+  const float* bp = tokenmill_cpu::check_linear_args(op, out, x, panels, "the codes", bias, bf16_ok, bf16_ok);  // AVX2 or refused
 #if defined(TOKENMILL_LINEAR_AVX2)
   tokenmill_cpu::linear_int8x_panels(out, x, reinterpret_cast<const int8_t*>(g.lo), true, panels, bp, grouped_scales, &g);
 #else
