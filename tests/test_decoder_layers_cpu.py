@@ -25,11 +25,14 @@ def _loop_expected() -> bool:
     return bf16_codes_wanted(CPU, torch.bfloat16) and bf16_dot_supported()
 
 
-@pytest.fixture(scope="module")
-def llm_bf16():
+@pytest.fixture(scope="module", params=["codes", "codes-int8-activations"])
+def llm_bf16(request):
+    """The bundled model in bf16 from its integer codes; also with int8 activations, whose kernel (on AVX-512
+    VNNI CPUs; elsewhere the flag has no effect in bf16) the loop calls as the Python path does."""
     # Where the CPU has the codes kernels the loop must be on; elsewhere the test checks the Python path.
     assert llama_cpu_decoder.fused_layers_enabled(torch.bfloat16) == _loop_expected()
-    return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False)
+    return LLM(dtype="bfloat16", max_model_len=256, max_num_seqs=48, num_kv_blocks=160, enable_prefix_caching=False,
+               int8_activations=request.param == "codes-int8-activations")
 
 
 def _generate(llm, prompts, fused: bool, monkeypatch) -> tuple[list, list[int]]:

@@ -27,7 +27,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2 (`bench kv-cache` compares them)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--int8-activations", action="store_true",
-                   help="fp32 on integer-code weights: activations rounded to int8 per 32 (serve's flag)")
+                   help="integer-code weights (fp32, or bf16 on AVX-512 VNNI): activations rounded to int8 per 32 (serve's flag)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own choice, which honours OMP_NUM_THREADS)")
 

@@ -47,7 +47,8 @@ class CpuPackedWeight:
     scales: torch.Tensor | None = None  # [panels, in / 32, 16]: fp32, or fp16 for the bf16 kernels
     mins: torch.Tensor | None = None
     dense: torch.Tensor | None = None  # bf16 [panels, in / 2, 32]: a bf16 weight as pack_bf16_weight lays it out
-    # fp32 rows on the codes round x to int8 per 32 (kernels/csrc/cpu_codes_int8.cpp): EngineConfig.int8_activations
+    # Rows on the codes round x to int8 per 32 (kernels/csrc/cpu_codes_int8.cpp): EngineConfig.int8_activations.
+    # fp32 rows up to CPU_PACKED_MAX_ROWS; bf16 rows (VNNI builds only) at every batch size.
     int8_x: bool = False
 
     def linear(
@@ -57,7 +58,8 @@ class CpuPackedWeight:
         bf16 dot kernel): fp32, or bf16 on codes for up to CPU_PACKED_MAX_ROWS rows (an fp32 sum rounded
         once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one,
         or from bf16_codes_dense_min_rows rows the dense kernel on rebuilt codes; dense bf16 panels the
-        dense dot kernel; either from bf16_gemm_min_rows rows the fp32-FMA GEMM."""
+        dense dot kernel; either from bf16_gemm_min_rows rows the fp32-FMA GEMM. With int8_x, bf16 rows on
+        codes take the int8-activation kernel at every batch size."""
         # A decode step makes ~120 of these calls: 2-D inputs skip the reshape and view (each ~1 us).
         flat = x.dim() == 2
         rows = x if flat else x.reshape(-1, x.shape[-1])
@@ -65,7 +67,9 @@ class CpuPackedWeight:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
         ops = cpu_kernels.load()
-        if self.dense is not None:
+        if self.int8_x and x.dtype == torch.bfloat16 and self.codes is not None:
+            ops.linear_codes_int8x(out, rows, self.codes, self.scales, self.mins, bias)
+        elif self.dense is not None:
             op = ops.linear_dense_gemm if rows.shape[0] >= bf16_gemm_min_rows() else ops.linear_dense_bf16
             op(out, rows, self.dense, bias)
         elif x.dtype == torch.bfloat16 and self.codes is not None and bf16_dot_supported():

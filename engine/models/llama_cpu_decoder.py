@@ -50,7 +50,7 @@ def fused_layers_enabled(dtype: torch.dtype) -> bool:
 class FusedLayers:
     weights: list[torch.Tensor]  # cpu_decoder.cpp's flat list, 20 tensors per layer
     max_rows: int  # the most rows a step may have: every projection's kernel takes them
-    int8_x: bool = False  # fp32 rows on codes round x to int8 (CpuPackedWeight.int8_x, set on every codes weight)
+    int8_x: bool = False  # rows on codes round x to int8 (CpuPackedWeight.int8_x, set on every codes weight)
 
 
 def _linear_parts(lin: Linear, dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -101,7 +101,7 @@ def layer_weights(
             return None
         flat += [n.detach() for n in norms] + [t for p in parts for t in p] + [k_cache, v_cache]
         max_rows = min([max_rows] + [_linear_max_rows(lin, dtype) for lin in linears])
-        int8_x |= dtype == torch.float32 and any(getattr(lin.packed_cpu, "int8_x", False) for lin in linears)
+        int8_x |= any(getattr(lin.packed_cpu, "int8_x", False) for lin in linears)
     return FusedLayers(flat, max_rows, int8_x)
 
 

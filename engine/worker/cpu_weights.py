@@ -105,10 +105,11 @@ def prepare_weights(
 
 
 def use_int8_activations(model: torch.nn.Module) -> int:
-    """Turn on int8 activations (EngineConfig.int8_activations) for every fp32-kernel weight whose kernel has
-    an int8 form: integer codes with fp32 scales (the projections, the LM head and a tied embedding's packed
-    matrix) and 4-bit grouped codes (Q4_K, AWQ / GPTQ int4), also as parts of a split q|k|v; returns how
-    many. Others (fp32 or bf16 panels, Q5_K / Q6_K, the bf16 kernels' fp16 scales) stay exact."""
+    """Turn on int8 activations (EngineConfig.int8_activations) for every weight whose kernel has an int8
+    form: integer codes (the projections, the LM head and a tied embedding's packed matrix; fp32 scales for
+    fp32 rows, fp32 or fp16 for bf16 rows) and 4-bit grouped codes (Q4_K, AWQ / GPTQ int4), also as parts of
+    a split q|k|v; returns how many. Others (fp32, bf16 or dense bf16 panels, Q5_K / Q6_K) stay exact. The
+    caller checks that the model's dtype has the kernel (fp32: AVX2; bf16: int8x_bf16_supported)."""
     seen: set[int] = set()
 
     def turn_on(value: object) -> None:
@@ -116,7 +117,7 @@ def use_int8_activations(model: torch.nn.Module) -> int:
             for part in value.parts:
                 turn_on(part)
             return
-        codes = isinstance(value, CpuPackedWeight) and value.codes is not None and value.scales.dtype == torch.float32
+        codes = isinstance(value, CpuPackedWeight) and value.codes is not None
         if (codes or (isinstance(value, GroupedPackedWeight) and value.int8x_supported)) and id(value) not in seen:
             value.int8_x = True
             seen.add(id(value))

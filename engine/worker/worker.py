@@ -19,6 +19,7 @@ from tokenmill.engine.distributed.parallel_state import (
     layer_range,
     min_on_all_ranks,
 )
+from tokenmill.engine.layers.cpu_gemm_policy import int8x_bf16_supported
 from tokenmill.engine.lora.manager import LoRAModelManager
 from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.model.loader import load_model
@@ -85,13 +86,15 @@ class Worker:
         self.model = model
         cfg = plan.config
         if cfg.int8_activations:
-            n = use_int8_activations(model) if self.dtype == torch.float32 else 0
+            takes = self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and int8x_bf16_supported())
+            n = use_int8_activations(model) if takes else 0
             if n:
                 logger.info("int8 activations: %d integer-code weights round x to int8 per 32 values", n)
             else:  # a flag shared by deployments on several CPU kinds: not an error where it cannot apply
                 logger.warning(
-                    "--int8-activations has no effect: this model is served in %s without fp32-kernel integer "
-                    "codes (it applies to Q4_0/Q4_1/Q8_0/Q4_K GGUF and AWQ/GPTQ int4 weights served in float32 on an AVX2 CPU)", plan.dtype,
+                    "--int8-activations has no effect: this model is served in %s without integer codes its "
+                    "kernel takes (it applies to Q4_0/Q4_1/Q8_0/Q4_K GGUF and AWQ/GPTQ int4 weights served in float32 on an AVX2 CPU, "
+                    "or in bfloat16 on an AVX-512 VNNI CPU)", plan.dtype,
                 )
         if cfg.enable_lora:  # the slots now: on CUDA the KV pool is sized from the memory left after them
             self.lora = LoRAModelManager(

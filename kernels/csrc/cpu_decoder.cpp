@@ -49,7 +49,8 @@ struct Thresholds {
 // engine/layers/linear.py's CpuPackedWeight.linear: fp32 rows on codes or panels; bf16 rows from
 // gemm_min_rows on the fp32-FMA GEMM (dense or codes); below it a dense bf16 weight's dot kernel, or on codes
 // from amx_min_rows the AMX codes kernel (from dequant_min_rows the AMX dequant kernel), else from
-// codes_dense_min_rows the dense kernel on rebuilt codes, else the codes' dot kernel.
+// codes_dense_min_rows the dense kernel on rebuilt codes, else the codes' dot kernel. With int8_x, rows on codes
+// (fp32 up to packed_max_rows, bf16 at every size) take the int8-activation kernel.
 void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, const Thresholds& t) {
   const int64_t rows = x.size(0);
   if (x.scalar_type() == at::kFloat) {  // CpuPackedWeight.linear for fp32 rows
@@ -66,6 +67,8 @@ void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, const Thre
       tokenmill_cpu::linear_dense_gemm(out, x, *l.codes, l.bias);
     else
       tokenmill_cpu::linear_dense_bf16(out, x, *l.codes, l.bias);
+  } else if (t.int8_x) {  // bf16 rows on codes, every batch size (the VNNI tiles)
+    tokenmill_cpu::linear_codes_int8x(out, x, *l.codes, *l.scales, *l.mins, l.bias);
   } else if (rows >= t.gemm_min_rows) {
     tokenmill_cpu::linear_codes_gemm(out, x, *l.codes, *l.scales, *l.mins, l.bias);
   } else if (rows >= t.amx_min_rows) {
@@ -82,7 +85,7 @@ void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, const Thre
 
 // hidden [T, H] and residual [T, H] (bf16 or fp32) after the step's first layer -> (hidden, residual) after
 // the last. sizes = {num_heads, num_kv_heads, head_dim, qkv width, intermediate size, max_query_len, max_pairs,
-// amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, int8_x (0 or 1: fp32 rows on codes take
+// amx_min_rows, dequant_min_rows, gemm_min_rows, packed_max_rows, int8_x (0 or 1: rows on codes take
 // int8 activations, CpuPackedWeight.int8_x), codes_dense_min_rows}.
 std::tuple<at::Tensor, at::Tensor> decoder_layers(at::Tensor hidden, at::Tensor residual,
                                                   at::TensorList weights, const at::Tensor& positions,
