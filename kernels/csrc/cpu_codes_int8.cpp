@@ -46,6 +46,30 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 4;  // rows per register tile
 constexpr int64_t kPanelGroup = 8;  // panels a tile of rows passes over together (below)
 
+// The panel loop both tile kinds share. Threads split the panels, so each weight byte is read by one
+// thread. A tile of rows passes over a group of kPanelGroup panels before the next tile starts: the group's
+// codes stay in L2 while every tile reads them, and a tile's x stays in L1 across the group (for the AVX2
+// tiles' nibbles 8 bytes per k and row: 18 KB for 4 rows of k = 576). Over one panel at a time, the whole x
+// pattern of a large batch (2.4 MB for 512 rows) streamed from L3 once per panel (512 rows of 3072 x 576
+// nibbles, 2-vCPU AVX2 EPYC: 10.7 -> 7.7 ms with groups). fn(group, group_end, end, scale, min) runs the
+// tiles of panels [group, group_end) of this thread's [.., end), their scales and mins ready.
+template <typename F>
+void for_panel_groups(int64_t panels, int64_t nb, tokenmill_cpu::PanelScales panel_scales, const void* ctx, F&& fn) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // Reused across calls: a decode step makes ~120 of them, and the codes layout never writes it.
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(2 * kPanelGroup * nb * kPanel)) scratch.resize(2 * kPanelGroup * nb * kPanel);
+    const float* scale[kPanelGroup];
+    const float* min[kPanelGroup];
+    for (int64_t group = begin; group < end; group += kPanelGroup) {
+      const int64_t group_end = std::min(end, group + kPanelGroup);
+      for (int64_t p = group; p < group_end; ++p)
+        panel_scales(ctx, p, scratch.data() + 2 * (p - group) * nb * kPanel, &scale[p - group], &min[p - group]);
+      fn(group, group_end, end, scale, min);
+    }
+  });
+}
+
 #if defined(TOKENMILL_LINEAR_AVX2) && !defined(TOKENMILL_INT8X_VNNI)
 // x [m, K] fp32 -> xq int8 [m, K], dx and sx [m, K / 32] (scale and fp32 sum of each block).
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* xq, float* dx, float* sx) {
@@ -312,47 +336,37 @@ void int8x_panels_vnni(const TX* x, int64_t ldx, int64_t m, int64_t k, TOut* op,
   quantize_rows_vnni(x, ldx, m, k, q4, xq.data(), dx.data(), sx.data(), sq.data());
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;
   const __m512i transpose = code_transpose();
-  // As the AVX2 loop: threads split the panels; a tile of rows passes over a group of panels (in L2)
-  // before the next tile starts.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scratch;
-    if (scratch.size() < static_cast<size_t>(2 * kPanelGroup * nb * kPanel)) scratch.resize(2 * kPanelGroup * nb * kPanel);
-    const float* scale[kPanelGroup];
-    const float* min[kPanelGroup];
-    for (int64_t group = begin; group < end; group += kPanelGroup) {
-      const int64_t group_end = std::min(end, group + kPanelGroup);
-      for (int64_t p = group; p < group_end; ++p)
-        panel_scales(ctx, p, scratch.data() + 2 * (p - group) * nb * kPanel, &scale[p - group], &min[p - group]);
-      // Each row tile also prefetches its share of the next group's codes into L2, so the next group's first
-      // tile does not wait on memory: the bundled model's 30 layers' linears at 64 rows, 26.8 -> 25.4 ms.
-      const int64_t next_end = std::min(end, group_end + kPanelGroup);
-      const int64_t pf_bytes = (next_end - group_end) * kb, tiles = (m + kVnniRows - 1) / kVnniRows;
-      const int64_t pf_chunk = ((pf_bytes + tiles - 1) / tiles + 63) / 64 * 64;
-      for (int64_t r = 0; r < m; r += kVnniRows) {
-        const int64_t from = r / kVnniRows * pf_chunk, to = std::min(pf_bytes, from + pf_chunk);
-        for (int64_t o = from; o < to; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(codes + group_end * kb + o), _MM_HINT_T1);
-        for (int64_t p = group; p < group_end; p += kVnniPanels) {
-          const int64_t rows = std::min<int64_t>(kVnniRows, m - r);
-          with_tile_rows<kVnniRows>(rows, [&](auto rc) {
-            constexpr int R = decltype(rc)::value;
-            const auto run = [&](auto pc, auto q4c) {
-              constexpr int P = decltype(pc)::value;
-              const int64_t cols = std::min(kPanel, n - (p + P - 1) * kPanel);  // of the tile's last panel
-              tile_vnni<R, P, decltype(q4c)::value>(
-                  xq.data() + r * k, k, dx.data() + r * nb, sx.data() + r * nb, sq.data() + r * nb, codes + p * kb, kb,
-                  scale + (p - group), min + (p - group), op + r * ldo + p * kPanel, ldo, cols,
-                  bias != nullptr ? bias + p * kPanel : nullptr, transpose);
-            };
-            using One = std::integral_constant<int, 1>;
-            using Two = std::integral_constant<int, 2>;
-            const bool pair = p + 1 < group_end;
-            if (q4)
-              pair ? run(Two{}, std::true_type{}) : run(One{}, std::true_type{});
-            else
-              pair ? run(Two{}, std::false_type{}) : run(One{}, std::false_type{});
-          });
-        }
+  for_panel_groups(panels, nb, panel_scales, ctx, [&](int64_t group, int64_t group_end, int64_t end,
+                                                     const float* const* scale, const float* const* min) {
+    // Each row tile also prefetches its share of the next group's codes into L2, so the next group's first
+    // tile does not wait on memory: the bundled model's 30 layers' linears at 64 rows, 26.8 -> 25.4 ms.
+    const int64_t next_end = std::min(end, group_end + kPanelGroup);
+    const int64_t pf_bytes = (next_end - group_end) * kb, tiles = (m + kVnniRows - 1) / kVnniRows;
+    const int64_t pf_chunk = ((pf_bytes + tiles - 1) / tiles + 63) / 64 * 64;
+    for (int64_t r = 0; r < m; r += kVnniRows) {
+      const int64_t from = r / kVnniRows * pf_chunk, to = std::min(pf_bytes, from + pf_chunk);
+      for (int64_t o = from; o < to; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(codes + group_end * kb + o), _MM_HINT_T1);
+      for (int64_t p = group; p < group_end; p += kVnniPanels) {
+        const int64_t rows = std::min<int64_t>(kVnniRows, m - r);
+        with_tile_rows<kVnniRows>(rows, [&](auto rc) {
+          constexpr int R = decltype(rc)::value;
+          const auto run = [&](auto pc, auto q4c) {
+            constexpr int P = decltype(pc)::value;
+            const int64_t cols = std::min(kPanel, n - (p + P - 1) * kPanel);  // of the tile's last panel
+            tile_vnni<R, P, decltype(q4c)::value>(
+                xq.data() + r * k, k, dx.data() + r * nb, sx.data() + r * nb, sq.data() + r * nb, codes + p * kb, kb,
+                scale + (p - group), min + (p - group), op + r * ldo + p * kPanel, ldo, cols,
+                bias != nullptr ? bias + p * kPanel : nullptr, transpose);
+          };
+          using One = std::integral_constant<int, 1>;
+          using Two = std::integral_constant<int, 2>;
+          const bool pair = p + 1 < group_end;
+          if (q4)
+            pair ? run(Two{}, std::true_type{}) : run(One{}, std::true_type{});
+          else
+            pair ? run(Two{}, std::false_type{}) : run(One{}, std::false_type{});
+        });
       }
     }
   });
@@ -397,28 +411,14 @@ void linear_int8x_panels(at::Tensor& out, const at::Tensor& x, const int8_t* cod
   const int64_t ldq = q4 ? k * 8 : k;  // bytes per row of xs
   const int64_t kb = q4 ? k / 2 * kPanel : k * kPanel;
   float* op = out.data_ptr<float>();
-  // Threads split the panels, so each weight byte is read by one thread. A tile of rows passes over a group
-  // of kPanelGroup panels before the next tile starts: the group's codes stay in L2 while every tile reads
-  // them, and a tile's x (for nibbles 8 bytes per k and row: 18 KB for 4 rows of k = 576) stays in L1 across
-  // the group. Over one panel at a time, the whole x pattern of a large batch (2.4 MB for 512 rows) streamed
-  // from L3 once per panel (512 rows of 3072 x 576 nibbles, 2-vCPU AVX2 EPYC: 10.7 -> 7.7 ms with groups).
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    // Reused across calls: a decode step makes ~120 of them, and the codes layout never writes it.
-    thread_local std::vector<float> scratch;
-    if (scratch.size() < static_cast<size_t>(2 * kPanelGroup * nb * kPanel)) scratch.resize(2 * kPanelGroup * nb * kPanel);
-    const float* scale[kPanelGroup];
-    const float* min[kPanelGroup];
-    for (int64_t group = begin; group < end; group += kPanelGroup) {
-      const int64_t group_end = std::min(end, group + kPanelGroup);
+  for_panel_groups(panels, nb, panel_scales, ctx, [&](int64_t group, int64_t group_end, int64_t,
+                                                     const float* const* scale, const float* const* min) {
+    for (int64_t r = 0; r < m; r += kTile)
       for (int64_t p = group; p < group_end; ++p)
-        panel_scales(ctx, p, scratch.data() + 2 * (p - group) * nb * kPanel, &scale[p - group], &min[p - group]);
-      for (int64_t r = 0; r < m; r += kTile)
-        for (int64_t p = group; p < group_end; ++p)
-          (q4 ? rows_tile<true> : rows_tile<false>)(
-              std::min(kTile, m - r), xs + r * ldq, k, dx.data() + r * nb, sx.data() + r * nb, codes + p * kb,
-              scale[p - group], min[p - group], op + r * ldo + p * kPanel, ldo, std::min(kPanel, n - p * kPanel),
-              bias != nullptr ? bias + p * kPanel : nullptr);
-    }
+        (q4 ? rows_tile<true> : rows_tile<false>)(
+            std::min(kTile, m - r), xs + r * ldq, k, dx.data() + r * nb, sx.data() + r * nb, codes + p * kb,
+            scale[p - group], min[p - group], op + r * ldo + p * kPanel, ldo, std::min(kPanel, n - p * kPanel),
+            bias != nullptr ? bias + p * kPanel : nullptr);
   });
 #else
   (void)k, (void)n, (void)ldo;
