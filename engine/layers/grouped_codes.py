@@ -39,7 +39,7 @@ class GroupedPackedWeight:
     # The dtype embedding() returns (the model's); linear() returns x's.
     embed_dtype: torch.dtype = torch.float32
     # Rows round x to int8 per 32 (EngineConfig.int8_activations; int8x_supported formats only): fp32 rows up to
-    # CPU_PACKED_MAX_ROWS, bf16 rows (VNNI builds only) at every batch size, as on the codes layout (linear.py).
+    # CPU_PACKED_MAX_ROWS, bf16 rows (VNNI builds only) at every batch size sent here, as on the codes layout (linear.py).
     int8_x: bool = False
 
     @property
@@ -82,7 +82,7 @@ class GroupedPackedWeight:
             out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         # int8 activations up to CPU_PACKED_MAX_ROWS rows, as on the codes layout (linear.py): past that (prompt
         # chunks) the exact kernel ran as fast on the bundled model, and rounding there costs parity (engine.md)
-        # bf16 rows (VNNI: vpdpbusd outruns the bf16 kernels at every batch) at every batch size.
+        # bf16 rows (VNNI: vpdpbusd outran the bf16 kernels at every batch measured) at every batch size.
         int8 = self.int8_x and (
             rows.dtype == torch.bfloat16 or (out.dtype == rows.dtype == torch.float32 and rows.shape[0] <= CPU_PACKED_MAX_ROWS)
         )

@@ -48,7 +48,8 @@ class CpuPackedWeight:
     mins: torch.Tensor | None = None
     dense: torch.Tensor | None = None  # bf16 [panels, in / 2, 32]: a bf16 weight as pack_bf16_weight lays it out
     # Rows on the codes round x to int8 per 32 (kernels/csrc/cpu_codes_int8.cpp): EngineConfig.int8_activations.
-    # fp32 rows up to CPU_PACKED_MAX_ROWS; bf16 rows (VNNI builds only) at every batch size.
+    # fp32 rows up to CPU_PACKED_MAX_ROWS; bf16 rows (VNNI builds only) at every batch size that reaches the codes
+    # (Linear.forward: bf16_codes_max_rows, unbounded on AVX-512 BF16 CPUs without AMX, 128 rows with AMX).
     int8_x: bool = False
 
     def linear(
@@ -59,7 +60,7 @@ class CpuPackedWeight:
         once). bf16 rows on codes run the AVX-512 BF16 dot kernel, or from AMX_MIN_ROWS rows the AMX one,
         or from bf16_codes_dense_min_rows rows the dense kernel on rebuilt codes; dense bf16 panels the
         dense dot kernel; either from bf16_gemm_min_rows rows the fp32-FMA GEMM. With int8_x, bf16 rows on
-        codes take the int8-activation kernel at every batch size."""
+        codes take the int8-activation kernel at every batch size they are sent."""
         # A decode step makes ~120 of these calls: 2-D inputs skip the reshape and view (each ~1 us).
         flat = x.dim() == 2
         rows = x if flat else x.reshape(-1, x.shape[-1])

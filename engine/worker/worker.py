@@ -86,7 +86,8 @@ class Worker:
         self.model = model
         cfg = plan.config
         if cfg.int8_activations:
-            takes = self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and int8x_bf16_supported())
+            on_cpu = self.device.type == "cpu"  # (int8x_bf16_supported loads the CPU kernels)
+            takes = self.dtype == torch.float32 or (on_cpu and self.dtype == torch.bfloat16 and int8x_bf16_supported())
             n = use_int8_activations(model) if takes else 0
             if n:
                 logger.info("int8 activations: %d integer-code weights round x to int8 per 32 values", n)
@@ -94,7 +95,7 @@ class Worker:
                 logger.warning(
                     "--int8-activations has no effect: this model is served in %s without integer codes its "
                     "kernel takes (it applies to Q4_0/Q4_1/Q8_0/Q4_K GGUF and AWQ/GPTQ int4 weights served in float32 on an AVX2 CPU, "
-                    "or in bfloat16 on an AVX-512 VNNI CPU)", plan.dtype,
+                    "or in bfloat16 on an AVX-512 VNNI + VBMI CPU)", plan.dtype,
                 )
         if cfg.enable_lora:  # the slots now: on CUDA the KV pool is sized from the memory left after them
             self.lora = LoRAModelManager(

@@ -35,7 +35,7 @@
 #include "cpu_common.h"
 #include "cpu_tile.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define TOKENMILL_INT8X_VNNI 1  // the VNNI tiles below; else the AVX2 ones
 #endif
 

@@ -67,7 +67,7 @@ void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, const Thre
       tokenmill_cpu::linear_dense_gemm(out, x, *l.codes, l.bias);
     else
       tokenmill_cpu::linear_dense_bf16(out, x, *l.codes, l.bias);
-  } else if (t.int8_x) {  // bf16 rows on codes, every batch size (the VNNI tiles)
+  } else if (t.int8_x) {  // bf16 rows on codes, every batch size the loop takes (the VNNI tiles)
     tokenmill_cpu::linear_codes_int8x(out, x, *l.codes, *l.scales, *l.mins, l.bias);
   } else if (rows >= t.gemm_min_rows) {
     tokenmill_cpu::linear_codes_gemm(out, x, *l.codes, *l.scales, *l.mins, l.bias);
