@@ -17,7 +17,10 @@ from tokenmill.engine.models import llama_cpu_decoder
 from tests.tiny_models import make_tiny_model
 
 # nats; int8 rounds each value to 1/254 of its row's absmax, fp8_e4m3 to 3 mantissa bits (1/16 relative).
-MAX_LOGPROB_DIFF = {"int8": 0.35, "fp8": 0.6}
+# The fp8 max is one step's worst case and moves with the order of the attention kernel's sums alone: the
+# bf16 model on the same AVX-512 BF16 EPYC gave 0.573, 0.612 and 0.643 (8 x 32) with three summation orders
+# of equal accuracy against fp64 (2026-12-07), so its bound leaves room above that spread.
+MAX_LOGPROB_DIFF = {"int8": 0.35, "fp8": 0.7}
 # The int8 mean: 0.0194 with the codes kernels (AVX-512 BF16 Xeon, 16 x 64), 0.0308 on the AVX2-only EPYC,
 # whose bf16 model has no codes kernels and runs bf16-rounded weights through torch (8 x 32, 2026-12-06).
 MEAN_LOGPROB_DIFF = {"int8": 0.035, "fp8": 0.06}

@@ -24,6 +24,7 @@
 #include "cpu_common.h"
 #include "cpu_kv_quant.h"
 #include "cpu_ops.h"
+#include "cpu_tile.h"
 
 namespace {
 
@@ -57,16 +58,17 @@ inline float dot(const float* __restrict a, const float* __restrict b, int n) {
 }
 
 // Calls fn(t, slot) for the cache slots of tokens 0..n_keys-1 in order, block by block (no division per
-// token). Blocks sit anywhere in the pool, so the next block is prefetched while this one is used.
+// token). Blocks sit anywhere in the pool, so the next block is prefetched while this one is used (unless
+// `prefetch` is false: the caller already brought them in).
 template <typename T, typename Fn>
 inline void for_each_slot(const T* cache, const int32_t* block_table, int64_t block_size, int64_t token_stride,
-                          int64_t n_keys, Fn&& fn) {
+                          int64_t n_keys, Fn&& fn, bool prefetch = true) {
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(T));
   int64_t t = 0;
   for (int64_t b = 0; t < n_keys; ++b) {
     const T* slot = cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
     const int64_t stop = std::min(n_keys, t + block_size);
-    const char* next = stop < n_keys ? reinterpret_cast<const char*>(
+    const char* next = prefetch && stop < n_keys ? reinterpret_cast<const char*>(
         cache + static_cast<int64_t>(block_table[b + 1]) * block_size * token_stride) : nullptr;
     for (; t < stop; ++t, slot += token_stride) {
       if (next) {
@@ -137,47 +139,149 @@ using tokenmill_cpu::load16;
 constexpr int kMaxHeads = 64;
 
 
-// One sequence, every head: each cache slot (all KV heads of a token, contiguous) is read once, in
-// order, so the hardware prefetcher streams it. NV = head_dim / 16 vectors per row, a compile-time
-// constant so a K or V row stays in registers while every query head of its group uses it.
+// v[i] -> one vector whose element i is the sum of v[i]'s 16 elements: four rounds of pairwise adds, 45
+// vector ops for 16 sums where a horizontal sum each took about 8 (and a long dependency chain).
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2i], y = v[2i+1]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per lane: the partial sums of v[4i .. 4i+3], in order
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// Walks another sequence's K slots into L2 a few cache lines per call: pass 2 reads only what pass 1
+// brought into L2, so without this DRAM idles through it and the next sequence's pass 1 starts cold.
+struct SlotPrefetcher {
+  const char* base = nullptr;  // the K cache's bytes
+  const int32_t* table = nullptr;
+  int64_t block_bytes = 0, total = 0, done = 0;  // the walk's bytes (its keys' slots), bytes issued
+  void step(int64_t lines) {
+    for (int64_t i = 0; i < lines && done < total; ++i, done += 64)
+      _mm_prefetch(base + table[done / block_bytes] * block_bytes + done % block_bytes, _MM_HINT_T1);
+  }
+};
+
+// Pass 2 for HC query heads h0.. of KV head kvh: out rows = sum_t p_t v_t / sum_t p_t, with the HC x NV
+// sums in registers (over every head at once they did not fit and went through memory, a store per FMA).
+template <int HC, int NV, typename T, typename C>
+void attend_values(const C* v_cache, const int32_t* block_table, int64_t block_size, int64_t token_stride,
+                   int64_t n_keys, int64_t kvh, int64_t h0, const float* scores, int64_t padded,
+                   const float* inv_sum, T* out, SlotPrefetcher& next, int64_t lines) {
+  constexpr int D = NV * 16;
+  constexpr int64_t R = kv_row<C>(D);
+  constexpr bool kQuant = KvCode<C>::quantized;
+  __m512 acc[HC][NV];
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_setzero_ps();
+  for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const C* vb) {
+    const C* row = vb + kvh * R;
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(row + j * 16);
+    const float s = kQuant ? kv_scale(row, D) : 1.0f;  // p x (codes x s) = (p x s) x codes
+    next.step(lines);
+    for (int h = 0; h < HC; ++h) {
+      const float pt = scores[(h0 + h) * padded + t];
+      const __m512 p = _mm512_set1_ps(kQuant ? pt * s : pt);
+      for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_fmadd_ps(p, vv[j], acc[h][j]);
+    }
+  }, /*prefetch=*/false);  // pass 1 brought these slots into L2
+  for (int h = 0; h < HC; ++h) {
+    T* o = out + (h0 + h) * D;
+    alignas(64) float tmp[D];
+    const __m512 inv = _mm512_set1_ps(inv_sum[h0 + h]);
+    for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + j * 16, _mm512_mul_ps(acc[h][j], inv));
+    for (int d = 0; d < D; ++d) o[d] = static_cast<T>(tmp[d]);
+  }
+}
+
+// One sequence, every head. Pass 1 reads each cache slot (all KV heads of a token, contiguous) once, in
+// order, so the hardware prefetcher streams it; pass 2 walks the slots once per KV head (its rows stay in
+// L2 after the first walk). NV = head_dim / 16 vectors per row, a compile-time constant so a K or V row
+// stays in registers while every query head of its group uses it.
 template <typename T, typename C, int NV>
 void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, T* out, int64_t out_row_stride,
                        const C* k_cache, const C* v_cache, const int32_t* block_table, int64_t block_size,
                        int64_t num_kv_heads, int64_t num_heads, int64_t first_row, int64_t num_rows,
-                       int64_t seq_len, float scale, std::vector<float>& scratch) {
+                       int64_t seq_len, float scale, std::vector<float>& scratch, SlotPrefetcher next) {
   constexpr int D = NV * 16;
   constexpr int64_t R = kv_row<C>(D);  // one head's row in a slot
   constexpr bool kQuant = KvCode<C>::quantized;
+  // bf16 queries on a bf16 cache: vdpbf16ps multiplies the rows as stored, no widening of K.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
+#else
+  constexpr bool kDotBf16 = false;
+#endif
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * R;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t row = first_row + r;
     const int64_t n_keys = seq_len - num_rows + r + 1;
     const int64_t padded = (n_keys + 15) / 16 * 16;
-    scratch.resize(static_cast<size_t>(num_heads * padded));
-    float* scores = scratch.data();  // [num_heads, padded]
-    __m512 qv[kMaxHeads * NV];
+    // scores [num_heads, padded] | parts [num_heads, 16 keys, 16] | K scales [num_kv_heads, 16]
+    scratch.resize(static_cast<size_t>(num_heads * padded + num_heads * 256 + num_kv_heads * 16));
+    float* scores = scratch.data();
+    float* parts = scores + num_heads * padded;
+    float* kscale = parts + num_heads * 256;
+    __m512 qv[kMaxHeads * NV];  // fp32, scaled (or, for vdpbf16ps, NV / 2 vectors of raw bf16 pairs)
     for (int64_t h = 0; h < num_heads; ++h) {
       const T* qp = q + row * q_row_stride + h * q_head_stride;
-      for (int j = 0; j < NV; ++j) qv[h * NV + j] = _mm512_mul_ps(load16(qp + j * 16), _mm512_set1_ps(scale));
+      if constexpr (kDotBf16) {
+        for (int j = 0; j < NV / 2; ++j) qv[h * NV + j] = _mm512_castsi512_ps(_mm512_loadu_si512(qp + j * 32));
+      } else {
+        for (int j = 0; j < NV; ++j) qv[h * NV + j] = _mm512_mul_ps(load16(qp + j * 16), _mm512_set1_ps(scale));
+      }
     }
-    // Pass 1: scores = q . k for every key.
-    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const C* kb) {
+    // Pass 1: scores = q . k for every key, 16 keys at a time: each (head, key) leaves a vector of partial
+    // sums, and one transposed reduction per head turns 16 of them into 16 scores.
+    int64_t n = 0, t0 = 0;
+    const auto flush = [&]() {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i) v[i] = i < n ? _mm512_loadu_ps(parts + (h * 16 + i) * 16) : _mm512_setzero_ps();
+        __m512 sc = transpose_sum16(v);
+        if constexpr (kDotBf16) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+        if constexpr (kQuant) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(kscale + h / group * 16));  // (q . codes) x s
+        _mm512_storeu_ps(scores + h * padded + t0, sc);
+      }
+      t0 += n;
+      n = 0;
+    };
+    const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(C));
+    for_each_slot(k_cache, block_table, block_size, token_stride, n_keys, [&](int64_t, const C* kb) {
+      // This slot's V into L2 for pass 2, which walks the slots once per KV head: a strided walk that
+      // the hardware prefetcher does not follow, and that alone made the step slower out of DRAM.
+      const char* vslot = reinterpret_cast<const char*>(v_cache + (kb - k_cache));
+      for (int64_t off = 0; off < slot_bytes; off += 64) _mm_prefetch(vslot + off, _MM_HINT_T1);
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const C* row = kb + kvh * R;
-        __m512 kv[NV];
-        for (int j = 0; j < NV; ++j) kv[j] = load16(row + j * 16);
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          __m512 acc = _mm512_mul_ps(qv[h * NV], kv[0]);
-          for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[h * NV + j], kv[j], acc);
-          scores[h * padded + t] = _mm512_reduce_add_ps(acc);
-        }
-        if constexpr (kQuant) {  // q . (codes x s) = (q . codes) x s
-          const float s = kv_scale(row, D);
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) scores[h * padded + t] *= s;
+        const C* krow = kb + kvh * R;
+        if constexpr (kDotBf16) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          __m512bh kv[NV / 2];
+          for (int j = 0; j < NV / 2; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(krow + j * 32);
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int j = 0; j < NV / 2; ++j) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(qv[h * NV + j]), kv[j]);
+            _mm512_storeu_ps(parts + (h * 16 + n) * 16, acc);
+          }
+#endif
+        } else {
+          __m512 kv[NV];
+          for (int j = 0; j < NV; ++j) kv[j] = load16(krow + j * 16);
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            __m512 acc = _mm512_mul_ps(qv[h * NV], kv[0]);
+            for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[h * NV + j], kv[j], acc);
+            _mm512_storeu_ps(parts + (h * 16 + n) * 16, acc);
+          }
+          if constexpr (kQuant) kscale[kvh * 16 + n] = kv_scale(krow, D);
         }
       }
+      if (++n == 16) flush();
     });
+    if (n > 0) flush();
     // Softmax numerators in place; the 1/sum goes into the output.
     float inv_sum[kMaxHeads];
     const int64_t full = n_keys / 16 * 16;
@@ -201,28 +305,20 @@ void attend_seq_avx512(const T* q, int64_t q_row_stride, int64_t q_head_stride, 
       }
       inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sv);
     }
-    // Pass 2: out = sum_t p_t v_t, each V row loaded once for its whole group.
-    __m512 acc[kMaxHeads * NV];
-    for (int64_t i = 0; i < num_heads * NV; ++i) acc[i] = _mm512_setzero_ps();
-    for_each_slot(v_cache, block_table, block_size, token_stride, n_keys, [&](int64_t t, const C* vb) {
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const C* row = vb + kvh * R;
-        __m512 vv[NV];
-        for (int j = 0; j < NV; ++j) vv[j] = load16(row + j * 16);
-        const float s = kQuant ? kv_scale(row, D) : 1.0f;  // p x (codes x s) = (p x s) x codes
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          const __m512 p = _mm512_set1_ps(kQuant ? scores[h * padded + t] * s : scores[h * padded + t]);
-          for (int j = 0; j < NV; ++j) acc[h * NV + j] = _mm512_fmadd_ps(p, vv[j], acc[h * NV + j]);
-        }
+    // Pass 2, per KV head, up to 16 / NV of its query heads at a time; the last row's spreads the next
+    // sequence's K prefetch over its slot visits.
+    constexpr int kHeadsPerPass = 16 / NV;
+    T* orow = out + row * out_row_stride;
+    const int64_t visits = n_keys * num_kv_heads * ((group + kHeadsPerPass - 1) / kHeadsPerPass);
+    const int64_t lines = r + 1 == num_rows ? (next.total / 64 + visits - 1) / visits : 0;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+      for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += kHeadsPerPass) {
+        const int64_t hc = std::min<int64_t>(kHeadsPerPass, (kvh + 1) * group - h0);
+        tokenmill_cpu::with_tile_rows<kHeadsPerPass>(hc, [&](auto hcc) {
+          attend_values<decltype(hcc)::value, NV, T, C>(v_cache, block_table, block_size, token_stride, n_keys, kvh, h0,
+                                                        scores, padded, inv_sum, orow, next, lines);
+        });
       }
-    });
-    for (int64_t h = 0; h < num_heads; ++h) {
-      T* o = out + row * out_row_stride + h * D;
-      alignas(64) float tmp[D];
-      const __m512 inv = _mm512_set1_ps(inv_sum[h]);
-      for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + j * 16, _mm512_mul_ps(acc[h * NV + j], inv));
-      for (int d = 0; d < D; ++d) o[d] = static_cast<T>(tmp[d]);
-    }
   }
 }
 #endif
@@ -385,14 +481,20 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
         const int32_t* table = tables + s * max_blocks;
 #if defined(__AVX512F__)
         if (num_heads <= kMaxHeads && (head_dim == 64 || head_dim == 128)) {
+          SlotPrefetcher next;  // the next sequence's keys (this thread's), fetched during this one's pass 2
+          if (s + 1 < end) {
+            const int64_t slot_bytes = num_kv_heads * kv_row<cache_t>(head_dim) * static_cast<int64_t>(sizeof(cache_t));
+            next = {reinterpret_cast<const char*>(kp), tables + (s + 1) * max_blocks, block_size * slot_bytes,
+                    lens[s + 1] * slot_bytes, 0};
+          }
           if (head_dim == 64)
             attend_seq_avx512<scalar_t, cache_t, 4>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp,
                                                     table, block_size, num_kv_heads, num_heads, first, rows, lens[s],
-                                                    fscale, scratch);
+                                                    fscale, scratch, next);
           else
             attend_seq_avx512<scalar_t, cache_t, 8>(qp, q.stride(0), q.stride(1), op, num_heads * head_dim, kp, vp,
                                                     table, block_size, num_kv_heads, num_heads, first, rows, lens[s],
-                                                    fscale, scratch);
+                                                    fscale, scratch, next);
           continue;
         }
 #endif
