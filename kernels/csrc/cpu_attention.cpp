@@ -138,7 +138,6 @@ using tokenmill_cpu::load16;
 
 constexpr int kMaxHeads = 64;
 
-
 // v[i] -> one vector whose element i is the sum of v[i]'s 16 elements: four rounds of pairwise adds, 45
 // vector ops for 16 sums where a horizontal sum each took about 8 (and a long dependency chain).
 inline __m512 transpose_sum16(const __m512* v) {
@@ -519,7 +518,6 @@ void paged_attention_varlen(at::Tensor out, const at::Tensor& q, const at::Tenso
     });
   });
 }
-
 
 // Writes this step's key/value rows [num_tokens, num_kv_heads, head_dim] into their cache slots (slot -1
 // skips the row); an 8-bit cache gets each row's codes and scale (cpu_kv_quant.h). One op instead of the

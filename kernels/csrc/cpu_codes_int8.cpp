@@ -202,7 +202,6 @@ void rows_tile(int64_t rows, const int8_t* xq, int64_t k, const float* dx, const
 }
 #endif
 
-
 #if defined(TOKENMILL_INT8X_VNNI)
 using tokenmill_cpu::load16;
 using tokenmill_cpu::PanelScales;
@@ -236,20 +235,20 @@ void quantize_rows_vnni(const T* x, int64_t ldx, int64_t m, int64_t k, bool q4, 
   // Split over the rows: on one thread it took ~15 ns a block, 3 of the ~32 ms the bundled model's 30
   // layers' linears take at 64 rows (AVX-512 BF16 EPYC, 2 threads).
   at::parallel_for(0, m, 8, [&](int64_t row_begin, int64_t row_end) {
-  for (int64_t r = row_begin; r < row_end; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m512 a = load16(x + r * ldx + b * kBlock), c = load16(x + r * ldx + b * kBlock + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(c, sign)));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      // cvtps rounds to nearest even (the default MXCSR mode, as nearbyint); |x * inv| <= 127 after it
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
-      const __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(qc), _mm512_cvtsepi32_epi8(qa));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + b * kBlock), _mm256_shuffle_epi8(q, shuffle));
-      dx[r * nb + b] = amax / 127.0f;
-      sx[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
-      sq[r * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
-    }
+    for (int64_t r = row_begin; r < row_end; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512 a = load16(x + r * ldx + b * kBlock), c = load16(x + r * ldx + b * kBlock + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(c, sign)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        // cvtps rounds to nearest even (the default MXCSR mode, as nearbyint); |x * inv| <= 127 after it
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+        const __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(qc), _mm512_cvtsepi32_epi8(qa));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + b * kBlock), _mm256_shuffle_epi8(q, shuffle));
+        dx[r * nb + b] = amax / 127.0f;
+        sx[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+        sq[r * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+      }
   });
 }
 

@@ -50,7 +50,7 @@ struct Thresholds {
 // gemm_min_rows on the fp32-FMA GEMM (dense or codes); below it a dense bf16 weight's dot kernel, or on codes
 // from amx_min_rows the AMX codes kernel (from dequant_min_rows the AMX dequant kernel), else from
 // codes_dense_min_rows the dense kernel on rebuilt codes, else the codes' dot kernel. With int8_x, rows on codes
-// (fp32 up to packed_max_rows, bf16 at every size) take the int8-activation kernel.
+// (fp32 up to packed_max_rows, bf16 at every size the loop takes) take the int8-activation kernel.
 void run_linear(at::Tensor out, const at::Tensor& x, const Linear& l, const Thresholds& t) {
   const int64_t rows = x.size(0);
   if (x.scalar_type() == at::kFloat) {  // CpuPackedWeight.linear for fp32 rows
